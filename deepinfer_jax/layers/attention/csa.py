@@ -1,0 +1,107 @@
+"""CSA2 attention sub-layer: sliding window + selected compressed KV, MQA with an attention sink,
+grouped low-rank output.
+
+q = wq_b(q_norm(wq_a x)) [H, A] with RoPE on the last rope dims; kv = kv_norm(wkv x) (one latent
+per token, key and value), RoPE, fp8 QDQ. A compressed layer (ratio r > 0) also attends to
+``index_topk`` entries of its KV source's compressed cache chosen by the most recent index layer.
+The output gets the inverse RoPE at the query position, then ``wo_a`` (block-diagonal over
+``o_groups``) and ``wo_b``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.layers import quant
+from deepinfer_jax.layers.attention.compressor import Compressor
+from deepinfer_jax.layers.attention.indexer import Indexer
+from deepinfer_jax.layers.attention.kv_index import DROP, StepContext
+from deepinfer_jax.layers.linear import Linear
+from deepinfer_jax.layers.norms import RMSNorm
+from deepinfer_jax.layers.rope import apply_rope, layer_rope_freqs
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, layer: int, dense_fmt: str):
+        D, H, A = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.layer, self.n_heads, self.head_dim = layer, H, A
+        self.window = cfg.sliding_window
+        self.n_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.ratio = cfg.compress_ratios[layer]
+        self.kv_src = cfg.kv_source_layer_ids.index(cfg.kv_source_of(layer)) if self.ratio else -1
+        self.src_layer = cfg.kv_source_of(layer)
+        self.freqs = tuple(float(f) for f in layer_rope_freqs(cfg, layer))
+        self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32), logical_axes=("heads",))
+        self.wq_a = Linear(D, cfg.q_lora_rank, dense_fmt)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * A, dense_fmt)
+        self.wkv = Linear(D, A, dense_fmt)
+        self.kv_norm = RMSNorm(A, cfg.rms_norm_eps)
+        # stored like the checkpoint, used dequantized (the reference holds it in bf16)
+        self.wo_a = Linear(H * A // self.n_groups, self.n_groups * self.o_rank, dense_fmt)
+        self.wo_b = Linear(self.n_groups * self.o_rank, D, dense_fmt)
+        is_backbone = cfg.is_backbone(layer)
+        if is_backbone and layer in cfg.kv_source_layer_ids:
+            self.compressor = Compressor(cfg, layer)
+        if is_backbone and layer in cfg.index_source_layer_ids:
+            self.indexer = Indexer(cfg, layer, dense_fmt)
+
+    # ------------------------------------------------------------------ pieces
+    def project_q(self, x_TD, positions):
+        qr = self.q_norm(self.wq_a(x_TD))
+        q = self.wq_b(qr).reshape(x_TD.shape[0], self.n_heads, self.head_dim)
+        return apply_rope(q, positions, self.freqs), qr
+
+    def project_kv(self, x_TD, positions):
+        kv = apply_rope(self.kv_norm(self.wkv(x_TD)), positions, self.freqs)
+        return quant.act_quant_fp8(kv)
+
+    def output(self, o_THA, positions):
+        o = apply_rope(o_THA, positions, self.freqs, inverse=True)
+        T = o.shape[0]
+        o = o.reshape(T, self.n_groups, -1)
+        wo_a = self.wo_a.dequantized().reshape(self.n_groups, self.o_rank, -1)
+        o = jnp.einsum("tgd,grd->tgr", o, wo_a, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return self.wo_b(o.reshape(T, -1))
+
+    def _compressed(self, ctx: StepContext, x_TD, qr_TQ):
+        """Update the source's compressed caches (source layers) and return the pool + indices."""
+        r, src = self.ratio, self.kv_src
+        if hasattr(self, "compressor"):
+            latent, done = self.compressor(ctx, x_TD, src)
+            ctx.tap(f"comp{self.layer}_latent", latent)
+            ctx.tap(f"comp{self.layer}_done", done)
+            if hasattr(self, "indexer"):
+                self.indexer.write_keys(ctx, latent, done, src, r, self.freqs)
+            ckv = apply_rope(latent, ctx.pos - (r - 1), self.freqs)
+            ckv = quant.act_quant_fp4(ckv, 16, "e4m3")
+            cache = ctx.cache["comp_kv"][src]
+            flat = cache.reshape(-1, cache.shape[-1])
+            dst = jnp.where(done, ctx.entry_index(ctx.pos // r, r), DROP)
+            ctx.cache["comp_kv"][src] = flat.at[dst].set(ckv, mode="drop").reshape(cache.shape)
+        if hasattr(self, "indexer"):
+            ctx.topk_idx[src] = self.indexer(ctx, x_TD, qr_TQ, src, r, self.freqs, tag=str(self.layer))
+        pos_TK = ctx.topk_idx[src]
+        cache = ctx.cache["comp_kv"][src]
+        flat_idx = jnp.where(pos_TK >= 0, ctx.entry_index(jnp.maximum(pos_TK, 0), r), -1)
+        return cache.reshape(-1, cache.shape[-1]), flat_idx
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, ctx: StepContext, x_TD: jax.Array) -> jax.Array:
+        pos = ctx.pos
+        q, qr = self.project_q(x_TD, pos)
+        kv = self.project_kv(x_TD, pos)
+        ring = ctx.cache["window"][self.layer]
+        S, W, A = ring.shape
+        pools = [jnp.concatenate([ring.reshape(S * W, A), kv], axis=0)]
+        idxs = [ctx.window_index(W, S * W)]
+        ctx.cache["window"][self.layer] = ctx.ring_write(ring, kv)
+        if self.ratio:
+            pool, idx = self._compressed(ctx, x_TD, qr)
+            pools.append(pool)
+            idxs.append(idx)
+        o = ops.sparse_attention(q, tuple(pools), tuple(idxs), self.attn_sink[...], self.head_dim ** -0.5)
+        return self.output(o, pos)

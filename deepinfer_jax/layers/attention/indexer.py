@@ -1,0 +1,68 @@
+"""Indexer of an index-source layer: picks ``index_topk`` compressed positions per query.
+
+Queries ``qI = wq_b(q_lora activation)`` (RoPE, fp4 QDQ), head weights
+``w = weights_proj(x) / sqrt(index_dim * index_heads)``; keys are the index-key cache of the
+layer's KV source (written by the source, from the compressor latent before RoPE:
+``k_norm(wk(latent))``, RoPE at the group's first position, fp4 QDQ). Every index layer scores
+against the keys of all groups its KV source has completed, at every step. The candidate source
+publishes the best ``candidate_topk_blocks`` blocks; later index layers mask the rest.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.layers import quant
+from deepinfer_jax.layers.attention.kv_index import DROP, StepContext
+from deepinfer_jax.layers.linear import Linear
+from deepinfer_jax.layers.norms import RMSNorm
+from deepinfer_jax.layers.rope import apply_rope
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg, layer: int, dense_fmt: str):
+        self.owns_k = layer in cfg.kv_source_layer_ids
+        self.is_candidate_source = layer == cfg.candidate_source_layer_id
+        self.uses_candidates = cfg.uses_candidates(layer)
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.cand_blocks, self.cand_block = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dense_fmt)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, "bf16")
+        if self.owns_k:
+            self.wk = Linear(cfg.head_dim, self.head_dim, "bf16")
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def write_keys(self, ctx: StepContext, latent_TA, done_T, src: int, ratio: int, freqs: np.ndarray) -> None:
+        """Index keys of the groups completed in this step -> the source's index-key cache."""
+        k = self.k_norm(self.wk(latent_TA))
+        k = quant.act_quant_fp4(apply_rope(k, ctx.pos - (ratio - 1), freqs), 32, "ue8m0")
+        cache = ctx.cache["index_k"][src]
+        flat = cache.reshape(-1, cache.shape[-1])
+        dst = jnp.where(done_T, ctx.entry_index(ctx.pos // ratio, ratio), DROP)
+        ctx.cache["index_k"][src] = flat.at[dst].set(k, mode="drop").reshape(cache.shape)
+
+    def __call__(self, ctx: StepContext, x_TD, qr_TQ, src: int, ratio: int, freqs: np.ndarray,
+                 tag: str = "") -> jax.Array:
+        T = x_TD.shape[0]
+        q = self.wq_b(qr_TQ).reshape(T, self.n_heads, self.head_dim)
+        q = quant.act_quant_fp4(apply_rope(q, ctx.pos, freqs), 32, "ue8m0")
+        scale = np.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = (self.weights_proj(x_TD).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+        cache = ctx.cache["index_k"][src]
+        keys_RNJ = jnp.take(cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio), axis=0)
+        n_vis = ctx.n_visible(ratio)
+        score = ops.indexer_scores(q, keys_RNJ[ctx.batch.token_row], w, n_vis)
+        if self.is_candidate_source:
+            cand = ops.candidate_blocks(score, n_vis, self.cand_blocks, self.cand_block)
+            ctx.candidates[src] = cand
+            ctx.tap(f"cand{tag}_candidates", cand)
+        elif self.uses_candidates:
+            score = jnp.where(ctx.candidates[src], score, -jnp.inf)
+        idx = ops.topk_positions(score, self.topk)
+        ctx.tap(f"index{tag}_topk", idx)
+        return idx

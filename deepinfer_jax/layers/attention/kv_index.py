@@ -1,0 +1,88 @@
+"""Where each token's KV lives: gather indices into the window rings and the paged caches, and
+the per-step context the attention layers share.
+
+Window entries of a token at position p: positions ``base + i`` for ``i < W`` with
+``base = max(p - W + 1, 0)`` (ascending; entries past p are unused) — the reference's entry order.
+A position computed in this step is read from this step's fresh KV (the ring may already have
+been overwritten by a later position of a long chunk); older ones from the request's ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.models.forward_batch import ForwardBatch
+
+DROP = jnp.iinfo(jnp.int32).max  # scatter index that `mode="drop"` discards
+
+
+@dataclasses.dataclass
+class StepContext:
+    """Trace-time state of one forward step: the batch, per-token views of its row data, the
+    cache arrays being updated functionally, and what index/candidate layers hand down."""
+
+    batch: ForwardBatch
+    cache: dict            # field name -> list of arrays (ModelCache fields, made mutable)
+    block_tokens: int
+    num_slots: int
+    taps: dict | None = None
+    topk_idx: dict = dataclasses.field(default_factory=dict)   # kv source layer -> [T, K] positions
+    candidates: dict = dataclasses.field(default_factory=dict)  # kv source layer -> [T, N] bool
+
+    def __post_init__(self):
+        b = self.batch
+        row = b.token_row
+        self.pos = b.positions
+        self.valid = b.token_valid
+        self.slot_T = b.row_slot[row]
+        self.start_T = b.row_start[row]
+        self.end_T = b.row_start[row] + b.row_len[row]
+        self.offset_T = b.row_token_offset[row]
+
+    # ---------------------------------------------------------------- sliding window
+    def window_index(self, W: int, ring_rows: int) -> jax.Array:
+        """``[T, W]`` indices into ``concat(ring.reshape(S*W, A), fresh_kv_T)`` (-1 unused)."""
+        p = self.pos[:, None]
+        q = jnp.maximum(self.pos - W + 1, 0)[:, None] + jnp.arange(W)[None, :]
+        ok = (q <= p) & self.valid[:, None]
+        fresh = q >= self.start_T[:, None]
+        ring_i = self.slot_T[:, None] * W + q % W
+        fresh_i = ring_rows + self.offset_T[:, None] + (q - self.start_T[:, None])
+        return jnp.where(ok, jnp.where(fresh, fresh_i, ring_i), -1).astype(jnp.int32)
+
+    def ring_write(self, ring_SWA: jax.Array, kv_TA: jax.Array) -> jax.Array:
+        """Write each row's last W positions of this step into its ring."""
+        W = ring_SWA.shape[1]
+        keep = self.valid & (self.pos >= self.end_T - W)
+        s = jnp.where(keep, self.slot_T, DROP)
+        return ring_SWA.at[s, self.pos % W].set(kv_TA.astype(ring_SWA.dtype), mode="drop")
+
+    # ---------------------------------------------------------------- paged compressed caches
+    def entry_index(self, entries: jax.Array, ratio: int) -> jax.Array:
+        """Flat index into a ``[B*P]`` paged cache of compressed entries ``j`` of each token's row
+        (``entries`` is ``[T]`` or ``[T, n]``)."""
+        P = self.block_tokens // ratio
+        bt = self.batch.block_table[self.batch.token_row]  # [T, max_blocks]
+        e = entries if entries.ndim == 2 else entries[:, None]
+        blk = jnp.take_along_axis(bt, jnp.clip(e // P, 0, bt.shape[1] - 1), axis=1)
+        flat = blk * P + e % P
+        return flat if entries.ndim == 2 else flat[:, 0]
+
+    def row_entry_index(self, ratio: int) -> jax.Array:
+        """``[R, N]`` flat indices of every compressed entry each row can address."""
+        P = self.block_tokens // ratio
+        bt = self.batch.block_table
+        n = bt.shape[1] * P
+        j = jnp.arange(n)
+        return bt[:, j // P] * P + (j % P)[None, :]
+
+    def n_visible(self, ratio: int) -> jax.Array:
+        """Compressed entries visible to each token: ``(p + 1) // ratio`` (0 for padding)."""
+        return jnp.where(self.valid, (self.pos + 1) // ratio, 0)
+
+    def tap(self, name: str, value: jax.Array) -> None:
+        if self.taps is not None:
+            self.taps[name] = value

@@ -1,0 +1,64 @@
+"""mHC: the residual stream as ``C = hc_mult`` copies, mixed by Sinkhorn-normalised matrices.
+
+Per sub-layer (attention or MoE) three parameter tensors: ``fn [Z, C*D]`` fp32, ``base [Z]``,
+``scale [3]`` with ``Z = (2 + C) * C``. From the sub-layer's input stream X the mixes are
+``m = (flat(X) fn^T) * rsqrt(mean(flat(X)^2) + eps)``; ``pre`` (collapse weights), ``post``
+(expand weights) and ``comb`` (doubly-stochastic C x C matrix, Sinkhorn) are split from m.
+V4.1 is *delayed*: a sub-layer collapses with the ``pre`` computed one sub-layer earlier.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from deepinfer_jax.layers.linear import HIGHEST
+
+
+def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: int, iters: int, eps: float):
+    """Split mixes into ``pre [T, C]``, ``post [T, C]``, ``comb [T, C, C]`` (all fp32)."""
+    m = m_TZ.astype(jnp.float32)
+    s = scale_3.astype(jnp.float32)
+    b = base_Z.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :hc] * s[0] + b[:hc]) + eps
+    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    return pre, post, comb
+
+
+def collapse(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
+    """``sum_c pre_c X_c`` in fp32, returned in the stream's dtype."""
+    y = jnp.sum(pre_TC[..., None] * x_TCD.astype(jnp.float32), axis=-2)
+    return y.astype(x_TCD.dtype)
+
+
+def expand(out_TD: jax.Array, res_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
+    """``X'_j = post_j out + sum_i comb[i, j] X_i`` in fp32, returned in ``out``'s dtype."""
+    mixed = jnp.einsum("tij,tid->tjd", comb_TCC, res_TCD.astype(jnp.float32), precision=HIGHEST)
+    y = post_TC[..., None] * out_TD.astype(jnp.float32)[..., None, :] + mixed
+    return y.astype(out_TD.dtype)
+
+
+def hc_params(dim: int, hc: int) -> tuple[nnx.Param, nnx.Param, nnx.Param]:
+    """Fresh (fn, base, scale) parameters of one sub-layer's mixes (checkpoint names
+    ``hc_{attn,ffn}_{fn,base,scale}`` live on the block)."""
+    z = (2 + hc) * hc
+    return (nnx.Param(jnp.zeros((z, hc * dim), jnp.float32), logical_axes=(None, None)),
+            nnx.Param(jnp.zeros((z,), jnp.float32), logical_axes=(None,)),
+            nnx.Param(jnp.ones((3,), jnp.float32), logical_axes=(None,)))
+
+
+def hc_mixes(x_TCD: jax.Array, fn_ZX: jax.Array, base_Z: jax.Array, scale_3: jax.Array, *,
+             hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """(pre, post, comb) of a sub-layer from its input stream ``X [T, C, D]``."""
+    x = x_TCD.reshape(*x_TCD.shape[:-2], -1).astype(jnp.float32)
+    rsqrt = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + jnp.float32(norm_eps))
+    m = jnp.matmul(x, fn_ZX.T, precision=HIGHEST) * rsqrt
+    return sinkhorn_split(m, scale_3, base_Z, hc, iters, hc_eps)

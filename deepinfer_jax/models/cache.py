@@ -1,0 +1,72 @@
+"""Device cache state of the model, as one pytree the jitted step donates.
+
+* ``window[l]``: per backbone layer, ring of W latents per sliding-window slot ``[S, W, A]``
+  (position p in ring slot p % W), fp8-QDQ'd bf16 values.
+* ``comp_kv[i]`` / ``index_k[i]``: per KV-source layer ``kv_source_layer_ids[i]`` with ratio r,
+  paged ``[B, P, A]`` / ``[B, P, J]`` with ``P = block_tokens // r`` compressed entries per block.
+* ``comp_state_kv[i]`` / ``comp_state_score[i]``: the compressor's pending group per slot,
+  fp32 ``[S, r, A]`` (unused for r = 1 sources, kept ``[S, 1, A]`` for a uniform pytree).
+* ``dspark_window[k]``: per DSpark stage, ring of ``kv(main_x)`` per slot ``[S, W, A]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    num_slots: int = 8          # sliding-window slots (max concurrent requests)
+    num_blocks: int = 64        # paged blocks of the compressed caches
+    block_tokens: int = 64      # positions per block: a multiple of every ratio and candidate block
+    max_blocks_per_seq: int = 16
+
+    def validate(self, cfg) -> "CacheConfig":
+        for f in ("num_slots", "num_blocks", "block_tokens", "max_blocks_per_seq"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"CacheConfig.{f}={getattr(self, f)!r}: must be >= 1")
+        for r in set(cfg.compress_ratios):
+            if r and self.block_tokens % r:
+                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: not a multiple of ratio {r}")
+        if cfg.candidate_source_layer_id >= 0:
+            r = cfg.compress_ratios[cfg.candidate_source_layer_id]
+            if (self.block_tokens // r) % cfg.candidate_block_size:
+                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: entries per block "
+                                 f"({self.block_tokens // r}) not a multiple of candidate_block_size "
+                                 f"{cfg.candidate_block_size}")
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        return self.block_tokens * self.max_blocks_per_seq
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelCache:
+    window: tuple
+    comp_kv: tuple
+    index_k: tuple
+    comp_state_kv: tuple
+    comp_state_score: tuple
+    dspark_window: tuple
+
+
+def allocate_cache(cfg, cc: CacheConfig) -> ModelCache:
+    cc.validate(cfg)
+    S, W, A, J = cc.num_slots, cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
+    window = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(cfg.num_hidden_layers))
+    comp_kv, index_k, st_kv, st_sc = [], [], [], []
+    for src in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratios[src]
+        P = cc.block_tokens // r
+        comp_kv.append(jnp.zeros((cc.num_blocks, P, A), jnp.bfloat16))
+        index_k.append(jnp.zeros((cc.num_blocks, P, J), jnp.bfloat16))
+        st_kv.append(jnp.zeros((S, r if r > 1 else 1, A), jnp.float32))
+        st_sc.append(jnp.full((S, r if r > 1 else 1, A), -jnp.inf, jnp.float32))
+    n_stages = cfg.num_nextn_predict_layers if cfg.dspark_enabled else 0
+    dspark = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(n_stages))
+    return ModelCache(window, tuple(comp_kv), tuple(index_k), tuple(st_kv), tuple(st_sc), dspark)

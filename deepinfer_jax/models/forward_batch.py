@@ -1,0 +1,103 @@
+"""The flat ragged batch one forward step consumes, and its host-side builder.
+
+Tokens of all requests in the step are concatenated (T, padded to a bucket); each request has
+one *row* (R, padded). A row computes the positions ``[row_start, row_start + row_len)`` of its
+request; its tokens sit at ``[row_token_offset, row_token_offset + row_len)`` of the flat batch.
+``row_slot`` names the request's sliding-window slot (window rings, compressor state, DSpark
+rings); ``block_table`` names its paged blocks of the compressed-KV / index-key caches (block b
+holds positions ``[b*block_tokens, (b+1)*block_tokens)``). Padding tokens have
+``token_valid = False``; padding rows have ``row_len = 0`` and ``row_slot = num_slots`` (their
+writes are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardBatch:
+    token_ids: jax.Array         # int32 [T]
+    positions: jax.Array         # int32 [T]
+    token_row: jax.Array         # int32 [T]
+    token_valid: jax.Array       # bool  [T]
+    engram_ids: jax.Array        # int32 [T, n_engram_layers, n_hash_cols] (table rows incl. offsets)
+    row_slot: jax.Array          # int32 [R]
+    row_start: jax.Array         # int32 [R]
+    row_len: jax.Array           # int32 [R]
+    row_token_offset: jax.Array  # int32 [R]
+    block_table: jax.Array       # int32 [R, max_blocks]
+    logits_indices: jax.Array    # int32 [L] flat token indices whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclasses.dataclass
+class RowSpec:
+    """One request's part of a step (host side)."""
+
+    token_ids: Sequence[int]       # the tokens computed in this step
+    start: int                     # position of token_ids[0]
+    slot: int                      # sliding-window slot
+    blocks: Sequence[int]          # paged block ids covering positions [0, start + len)
+    engram_ids: np.ndarray | None = None  # [len, n_engram_layers, cols]
+
+
+def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_blocks: int,
+                num_slots: int, n_engram_layers: int, n_hash_cols: int,
+                logits: str | Sequence[int] = "last", num_logits: int | None = None) -> ForwardBatch:
+    """Pack rows into a padded ``ForwardBatch``. ``logits``: ``"last"`` (each row's last token),
+    ``"all"`` (every token) or explicit flat indices; padded to ``num_logits`` with index 0."""
+    total = sum(len(r.token_ids) for r in rows)
+    if total > num_tokens:
+        raise ValueError(f"num_tokens={num_tokens} < {total} tokens in the step")
+    if len(rows) > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {len(rows)} rows in the step")
+    tok = np.zeros(num_tokens, np.int32)
+    pos = np.zeros(num_tokens, np.int32)
+    trow = np.zeros(num_tokens, np.int32)
+    valid = np.zeros(num_tokens, bool)
+    eids = np.zeros((num_tokens, max(n_engram_layers, 1), max(n_hash_cols, 1)), np.int32)
+    slot = np.full(num_rows, num_slots, np.int32)
+    start = np.zeros(num_rows, np.int32)
+    length = np.zeros(num_rows, np.int32)
+    off = np.zeros(num_rows, np.int32)
+    bt = np.zeros((num_rows, max_blocks), np.int32)
+    last = []
+    o = 0
+    for i, r in enumerate(rows):
+        n = len(r.token_ids)
+        if len(r.blocks) > max_blocks:
+            raise ValueError(f"row {i}: {len(r.blocks)} blocks > max_blocks={max_blocks}")
+        tok[o:o + n] = r.token_ids
+        pos[o:o + n] = np.arange(r.start, r.start + n)
+        trow[o:o + n] = i
+        valid[o:o + n] = True
+        if r.engram_ids is not None and n_engram_layers:
+            eids[o:o + n] = r.engram_ids
+        slot[i], start[i], length[i], off[i] = r.slot, r.start, n, o
+        bt[i, : len(r.blocks)] = r.blocks
+        last.append(o + n - 1)
+        o += n
+    if isinstance(logits, str):
+        if logits == "last":
+            li = last
+        elif logits == "all":
+            li = list(range(total))
+        else:
+            raise ValueError(f"logits={logits!r}: expected 'last', 'all' or indices")
+    else:
+        li = list(logits)
+    n_l = num_logits or max(len(li), 1)
+    if len(li) > n_l:
+        raise ValueError(f"num_logits={n_l} < {len(li)} requested logit rows")
+    li_arr = np.zeros(n_l, np.int32)
+    li_arr[: len(li)] = li
+    return ForwardBatch(tok, pos, trow, valid, eids, slot, start, length, off, bt, li_arr)
