@@ -112,7 +112,12 @@ def load_state(cfg: ModelConfig, model_dir: str | os.PathLike, shardings=None, p
 
 def load_model(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None,
                progress: bool = False) -> DeepseekV41ForCausalLM:
-    """Build the model from a model directory (``config.json`` + safetensors)."""
+    """Build the model from a model directory (``config.json`` + safetensors, or an Orbax
+    directory with ``params/``, see ``orbax_io``)."""
+    if os.path.isdir(os.path.join(model_dir, "params")):
+        from deepinfer_jax.models.orbax_io import load_orbax
+
+        return load_orbax(model_dir, mesh=mesh, cfg=cfg)
     cfg = cfg or ModelConfig.from_json(model_dir)
     shardings = None
     if mesh is not None:
