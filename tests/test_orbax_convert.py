@@ -71,6 +71,10 @@ def test_convert_roundtrip(tmp_path):
 
     np.testing.assert_array_equal(_prefill(got), _prefill(ref))
 
+    # a config that does not match the saved arrays is refused (orbax alone would pad/truncate)
+    with pytest.raises(ValueError, match="mismatched"):
+        load_orbax(dst, cfg=ModelConfig.from_json(dst).replace(vocab_size=512))
+
     # writing again needs force; load_orbax directly gives the same arrays
     with pytest.raises(FileExistsError):
         save_orbax(got, dst)

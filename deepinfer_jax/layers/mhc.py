@@ -27,9 +27,12 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    comb = jax.lax.fori_loop(0, iters - 1, sinkhorn_step, comb)  # a loop, not 2x19 unrolled ops
     return pre, post, comb
 
 

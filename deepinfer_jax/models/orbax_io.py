@@ -94,6 +94,41 @@ def save_orbax(model_or_state, out_dir: str | os.PathLike, cfg: ModelConfig | No
     return out_dir
 
 
+def _flatten(tree, prefix=()) -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, prefix + (str(k),)))
+        return out
+    return {prefix: tree}
+
+
+def _check_saved(ckpt, params: str, flat) -> None:
+    """The saved tree holds exactly the model's parameters, with their shapes and dtypes
+    (orbax itself would pad / truncate an array restored with a different global shape)."""
+    import numpy as np
+
+    meta = ckpt.metadata(params)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    saved = {".".join(k): v for k, v in _flatten(tree).items()}
+    want = {".".join(map(str, path)): var for path, var in flat}
+    missing = sorted(want.keys() - saved.keys())
+    extra = sorted(saved.keys() - want.keys())
+    bad = [f"{n}: saved {np.dtype(saved[n].dtype)}{tuple(saved[n].shape)}, model {np.dtype(want[n].dtype)}"
+           f"{tuple(want[n].shape)}" for n in sorted(want.keys() & saved.keys())
+           if tuple(saved[n].shape) != tuple(want[n].shape) or np.dtype(saved[n].dtype) != np.dtype(want[n].dtype)]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[:3]})")
+        if extra:
+            parts.append(f"{len(extra)} not in the model (e.g. {extra[:3]})")
+        if bad:
+            parts.append(f"{len(bad)} mismatched ({'; '.join(bad[:3])})")
+        raise ValueError(f"{params} does not match the model of config.json: " + ", ".join(parts))
+
+
 def load_orbax_state(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None):
     """``(graphdef, state)`` of the model in an Orbax model directory. With ``mesh``, every
     array is restored straight into its ``state_shardings`` sharding (each device reads only its
@@ -120,9 +155,8 @@ def load_orbax_state(model_dir: str | os.PathLike, cfg: ModelConfig | None = Non
     params = os.path.join(model_dir, PARAMS_DIR)
     ckpt = ocp.PyTreeCheckpointer()
     try:
+        _check_saved(ckpt, params, flat)
         restored = ckpt.restore(params, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    except Exception as e:  # structure mismatch: say which model it was built for
-        raise ValueError(f"cannot restore {params} into the model of {model_dir}/config.json: {e}") from e
     finally:
         ckpt.close()
     values = []

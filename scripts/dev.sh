@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One entry point for set-up + the two jobs: `scripts/dev.sh demo [args]` and `scripts/dev.sh test [pytest args]`.
+# Finds Python 3.12, creates/reuses .venv, installs the package with the pinned CPU stack.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for c in "${PYTHON:-}" python3.12 /root/.pyenv/versions/3.12.*/bin/python3.12 "$HOME"/.pyenv/versions/3.12.*/bin/python3.12; do
+    [ -n "$c" ] || continue
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12' | tail -n1 || true)
+    [ -n "$v" ] && PYENV_VERSION="$v" pyenv which python3.12 && return 0
+  fi
+  echo "error: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2; return 1
+}
+
+ensure_venv() {
+  local stamp=.venv/.deepinfer-installed
+  if [ ! -x .venv/bin/python ]; then
+    "$(find_python)" -m venv .venv
+  fi
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/cpu-torch.txt -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q -e ".[dev]" -c constraints/cpu-torch.txt
+    touch "$stamp"
+  fi
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  demo) ensure_venv; exec .venv/bin/deepinfer-jax generate "$@" ;;
+  test) ensure_venv; exec env XLA_FLAGS="${XLA_FLAGS:-}" .venv/bin/python -m pytest -q "$@" ;;
+  setup) ensure_venv ;;
+  *) echo "usage: scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+esac
