@@ -36,15 +36,27 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     return pre, post, comb
 
 
+def _sum_in_order(terms):
+    """Left-to-right fp32 sum (the reference adds the hc copies one after another; a tree
+    reduction rounds differently, and one bf16 ulp here is amplified by fp8 QDQ downstream)."""
+    acc = terms[0]
+    for t in terms[1:]:
+        acc = acc + t
+    return acc
+
+
 def collapse(x_TCD: jax.Array, pre_TC: jax.Array) -> jax.Array:
     """``sum_c pre_c X_c`` in fp32, returned in the stream's dtype."""
-    y = jnp.sum(pre_TC[..., None] * x_TCD.astype(jnp.float32), axis=-2)
+    xf = x_TCD.astype(jnp.float32)
+    y = _sum_in_order([pre_TC[..., c, None] * xf[..., c, :] for c in range(x_TCD.shape[-2])])
     return y.astype(x_TCD.dtype)
 
 
 def expand(out_TD: jax.Array, res_TCD: jax.Array, post_TC: jax.Array, comb_TCC: jax.Array) -> jax.Array:
     """``X'_j = post_j out + sum_i comb[i, j] X_i`` in fp32, returned in ``out``'s dtype."""
-    mixed = jnp.einsum("tij,tid->tjd", comb_TCC, res_TCD.astype(jnp.float32), precision=HIGHEST)
+    rf = res_TCD.astype(jnp.float32)
+    C = res_TCD.shape[-2]
+    mixed = _sum_in_order([comb_TCC[..., i, :, None] * rf[..., i, None, :] for i in range(C)])
     y = post_TC[..., None] * out_TD.astype(jnp.float32)[..., None, :] + mixed
     return y.astype(out_TD.dtype)
 
