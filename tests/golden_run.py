@@ -75,5 +75,4 @@ def _cache_np(drv: SequenceDriver) -> dict:
 
 def cache_entries(cache_BPX: np.ndarray, blocks: list[int], n: int) -> np.ndarray:
     """The first ``n`` compressed entries of a sequence from a paged cache."""
-    P = cache_BPX.shape[1]
     return np.concatenate([cache_BPX[b] for b in blocks])[:n] if n else np.zeros((0, cache_BPX.shape[2]))

@@ -83,6 +83,3 @@ def dense_fmt(weight_dtype: str) -> str:
 def expert_fmt(expert_dtype: str) -> str:
     return {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16"}[expert_dtype]
 
-
-def np_dtype_of(fmt: str):
-    return np.dtype(_storage(fmt, 32, 64)[1])
