@@ -110,6 +110,13 @@ class ModelConfig:
     def engram_n_hash_cols(self) -> int:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
+    @property
+    def yoco_start_layer(self) -> int:
+        """First *decoder* layer: from here on layers write no compressed cache (they read the last
+        KV source's), only sliding-window state, so YOCO prefill truncation may skip their early
+        prompt positions. ``num_hidden_layers`` when there is no KV source."""
+        return max(self.kv_source_layer_ids) + 1 if self.kv_source_layer_ids else self.num_hidden_layers
+
     def is_backbone(self, layer: int) -> bool:
         return layer < self.num_hidden_layers
 

@@ -127,7 +127,9 @@ class DeepseekV41ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------ target forward
     def __call__(self, cache: ModelCache, batch: ForwardBatch, taps: dict | None = None):
         """One ragged step. Returns ``(cache', logits [L, V] f32 at batch.logits_indices,
-        main_hidden [T, n_targets*D] or None)``."""
+        main_hidden [T, n_targets*D] or None)``. With ``batch.decoder`` (compact truncation) the
+        decoder layers run on its tokens: logits are at its ``logits_indices`` and main_hidden
+        has its ``T'`` rows."""
         cfg = self.cfg
         ctx = self._context(cache, batch, taps)
         x = self.embed(batch.token_ids)
@@ -135,6 +137,12 @@ class DeepseekV41ForCausalLM(nnx.Module):
         pre = jnp.zeros(x.shape[:2], jnp.float32).at[:, 0].set(1.0)
         main = []
         for i, block in enumerate(self.layers):
+            if i == cfg.yoco_start_layer and batch.decoder is not None:
+                # compact YOCO truncation: the decoder layers run on the kept tokens only
+                keep = batch.decoder.token_index
+                x, pre, main = x[keep], pre[keep], [m[keep] for m in main]
+                ctx = ctx.compacted()
+                batch = ctx.batch
             if hasattr(block, "engram"):
                 e = cfg.engram_layer_ids.index(i)
                 x = block.engram(x, batch.engram_ids[:, e, :])

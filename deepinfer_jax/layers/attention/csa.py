@@ -33,6 +33,7 @@ class Attention(nnx.Module):
         self.ratio = cfg.compress_ratios[layer]
         self.kv_src = cfg.kv_source_layer_ids.index(cfg.kv_source_of(layer)) if self.ratio else -1
         self.src_layer = cfg.kv_source_of(layer)
+        self.is_decoder = cfg.is_backbone(layer) and layer >= cfg.yoco_start_layer
         self.freqs = tuple(float(f) for f in layer_rope_freqs(cfg, layer))
         self.attn_sink = nnx.Param(jnp.zeros((H,), jnp.float32), logical_axes=("heads",))
         self.wq_a = Linear(D, cfg.q_lora_rank, dense_fmt)
@@ -80,7 +81,7 @@ class Attention(nnx.Module):
             ckv = quant.act_quant_fp4(ckv, 16, "e4m3")
             cache = ctx.cache["comp_kv"][src]
             flat = cache.reshape(-1, cache.shape[-1])
-            dst = jnp.where(done, ctx.entry_index(ctx.pos // r, r), DROP)
+            dst = jnp.where(done & (ctx.pos >= ctx.cache_start_T), ctx.entry_index(ctx.pos // r, r), DROP)
             ctx.cache["comp_kv"][src] = flat.at[dst].set(ckv, mode="drop").reshape(cache.shape)
         if hasattr(self, "indexer"):
             ctx.topk_idx[src] = self.indexer(ctx, x_TD, qr_TQ, src, r, self.freqs, tag=str(self.layer))
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
         ring = ctx.cache["window"][self.layer]
         S, W, A = ring.shape
         pools = [jnp.concatenate([ring.reshape(S * W, A), kv], axis=0)]
-        idxs = [ctx.window_index(W, S * W)]
+        idxs = [ctx.window_index(W, S * W, decoder=self.is_decoder)]
         ctx.cache["window"][self.layer] = ctx.ring_write(ring, kv)
         if self.ratio:
             pool, idx = self._compressed(ctx, x_TD, qr)

@@ -43,7 +43,7 @@ class Indexer(nnx.Module):
         k = quant.act_quant_fp4(apply_rope(k, ctx.pos - (ratio - 1), freqs), 32, "ue8m0")
         cache = ctx.cache["index_k"][src]
         flat = cache.reshape(-1, cache.shape[-1])
-        dst = jnp.where(done_T, ctx.entry_index(ctx.pos // ratio, ratio), DROP)
+        dst = jnp.where(done_T & (ctx.pos >= ctx.cache_start_T), ctx.entry_index(ctx.pos // ratio, ratio), DROP)
         ctx.cache["index_k"][src] = flat.at[dst].set(k, mode="drop").reshape(cache.shape)
 
     def __call__(self, ctx: StepContext, x_TD, qr_TQ, src: int, ratio: int, freqs: np.ndarray,

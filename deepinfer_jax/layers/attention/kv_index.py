@@ -2,7 +2,8 @@
 the per-step context the attention layers share.
 
 Window entries of a token at position p: positions ``base + i`` for ``i < W`` with
-``base = max(p - W + 1, 0)`` (ascending; entries past p are unused) — the reference's entry order.
+``base = max(p - W + 1, 0)`` (ascending; entries past p, or below the row's window floor, are
+unused) — the reference's entry order.
 A position computed in this step is read from this step's fresh KV (the ring may already have
 been overwritten by a later position of a long chunk); older ones from the request's ring.
 """
@@ -41,13 +42,33 @@ class StepContext:
         self.start_T = b.row_start[row]
         self.end_T = b.row_start[row] + b.row_len[row]
         self.offset_T = b.row_token_offset[row]
+        self.floor_T = b.row_floor[row]
+        self.dec_floor_T = b.row_dec_floor[row]
+        self.cache_start_T = b.row_cache_start[row]
+
+    def compacted(self) -> "StepContext":
+        """The context of the decoder layers' sub-batch (``batch.decoder``), sharing this one's
+        cache; index/candidate results of earlier layers are gathered to its tokens."""
+        b, d = self.batch, self.batch.decoder
+        i = d.token_index
+        sub = dataclasses.replace(
+            b, token_ids=b.token_ids[i], positions=b.positions[i], token_row=b.token_row[i],
+            token_valid=d.token_valid, engram_ids=b.engram_ids[i], row_start=d.row_start,
+            row_len=d.row_len, row_token_offset=d.row_token_offset,
+            logits_indices=d.logits_indices, decoder=None)
+        ctx = StepContext(sub, self.cache, self.block_tokens, self.num_slots, self.taps)
+        ctx.topk_idx = {k: v[i] for k, v in self.topk_idx.items()}
+        ctx.candidates = {k: v[i] for k, v in self.candidates.items()}
+        return ctx
 
     # ---------------------------------------------------------------- sliding window
-    def window_index(self, W: int, ring_rows: int) -> jax.Array:
-        """``[T, W]`` indices into ``concat(ring.reshape(S*W, A), fresh_kv_T)`` (-1 unused)."""
+    def window_index(self, W: int, ring_rows: int, decoder: bool = False) -> jax.Array:
+        """``[T, W]`` indices into ``concat(ring.reshape(S*W, A), fresh_kv_T)`` (-1 unused);
+        ``decoder`` applies the decoder layers' floor instead of the all-layer one."""
         p = self.pos[:, None]
         q = jnp.maximum(self.pos - W + 1, 0)[:, None] + jnp.arange(W)[None, :]
-        ok = (q <= p) & self.valid[:, None]
+        floor = self.dec_floor_T if decoder else self.floor_T
+        ok = (q <= p) & (q >= floor[:, None]) & self.valid[:, None]
         fresh = q >= self.start_T[:, None]
         ring_i = self.slot_T[:, None] * W + q % W
         fresh_i = ring_rows + self.offset_T[:, None] + (q - self.start_T[:, None])
