@@ -1,0 +1,245 @@
+"""The jitted on-device sampler and its host-side batch builder.
+
+Glossary: R = rows (requests sampled this step, padded), V = vocab, N = number of top logprobs
+returned (static), B = banned ids per row (static, from the array shape).
+
+Per row, in vLLM's order:
+
+1. ``banned_RB`` ids are set to ``-inf`` (the engine bans EOS and ``stop_token_ids`` while fewer
+   than ``min_tokens`` tokens are out; see ``min_tokens_banned_ids``).
+2. Greedy rows (``temperature < SAMPLING_EPS``, i.e. 0) take the argmax; ties go to the lowest id.
+3. Other rows: ``logits / temperature``, then min-p (drop ``p < min_p * p_max``), top-k (keep the
+   values >= the k-th largest), top-p (on the renormalised survivors, keep the smallest set of
+   highest-probability tokens whose mass reaches ``top_p``; the top token always stays). This is
+   the order of vLLM's V1 sampler (temperature -> min-p -> top-k/top-p); min-p and top-k commute,
+   so the order only matters in that top-p renormalises after the min-p cut. Every filter keeps a
+   prefix of the row sorted by value, so all three reduce to one per-row *cutoff value* found
+   with one sort; tokens below the cutoff become ``-inf`` (ties with the cutoff are kept).
+4. A token is drawn by Gumbel-max: ``argmax(filtered + gumbel)``. The noise of a row comes from the
+   key ``fold_in(wrap_key_data(seed, threefry2x32), position)`` (vmapped over rows), so a row's
+   token depends only on its seed, its position and its own logits: it is the same alone, at
+   any row of any batch, with any padding, and on every call.
+
+The seed is a 64-bit integer stored as two uint32 words ``(hi, lo) = (seed >> 32, seed & 0xFFFFFFFF)``;
+these are exactly the key words of ``jax.random.key(seed, impl="threefry2x32")`` (with x64 on; for
+seeds below 2**32 also without). The PRNG implementation is fixed to threefry2x32, independent of
+``jax_default_prng_impl``.
+
+Logprobs are vLLM's default ``raw_logprobs``: ``log_softmax`` of the logits as they come from the
+model, before banning, temperature and filters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.sampling.params import SAMPLING_EPS, SamplingParams
+
+PRNG_IMPL = "threefry2x32"
+SEED_LIMIT = 2**64
+POSITION_LIMIT = 2**31
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling state of one step. The arrays may be numpy (host) or jax (device).
+
+    ``all_greedy`` and ``needs_filter`` are static hints (part of the pytree structure, so each
+    combination compiles once): ``all_greedy`` skips the random path, ``needs_filter=False``
+    skips the sort of the min-p / top-k / top-p filters. The defaults are always correct;
+    ``build_sampling_batch`` sets them from the rows. Neither changes any row's result.
+    """
+
+    temperature: jax.Array  # f32 [R]; < SAMPLING_EPS (0) = greedy
+    top_k: jax.Array        # int32 [R]; 0 = off
+    top_p: jax.Array        # f32 [R]; 1 = off
+    min_p: jax.Array        # f32 [R]; 0 = off
+    seed: jax.Array         # uint32 [R, 2]: (hi, lo) words of the 64-bit request seed
+    position: jax.Array     # int32 [R]: position of the token being sampled in its sequence
+    banned_RB: jax.Array    # int32 [R, B]: token ids set to -inf; -1 = none
+    all_greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    needs_filter: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: jax.Array     # int32 [R]
+    logprob: jax.Array       # f32 [R]: raw log_softmax(logits)[token_ids]
+    top_ids: jax.Array       # int32 [R, N]: top-N ids of the raw distribution, descending
+    top_logprobs: jax.Array  # f32 [R, N]
+
+
+# --------------------------------------------------------------------------- host side
+
+
+class SampleRow(NamedTuple):
+    """One row of ``build_sampling_batch`` (a plain ``(params, seed, position[, banned])`` tuple
+    works too)."""
+
+    params: SamplingParams
+    seed: int                    # the effective 64-bit seed (the engine draws one if params.seed is None)
+    position: int                # position of the token being sampled
+    banned: Sequence[int] = ()   # token ids to ban this step (see min_tokens_banned_ids)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A seed in ``[0, 2**64)`` as its ``(hi, lo)`` uint32 words."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed={seed!r}: must be in [0, 2**64)")
+    return seed >> 32, seed & 0xFFFFFFFF
+
+
+def min_tokens_banned_ids(params: SamplingParams, num_generated: int,
+                          eos_token_ids: Sequence[int]) -> list[int]:
+    """Ids to ban while ``num_generated < params.min_tokens`` (as vLLM's min-tokens processor):
+    ``stop_token_ids`` and, unless ``ignore_eos``, the EOS ids. Empty once enough are out."""
+    if num_generated >= params.min_tokens:
+        return []
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids += list(eos_token_ids)
+    return sorted(set(int(t) for t in ids))
+
+
+def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab: int,
+                         num_banned: int | None = None) -> SamplingBatch:
+    """Pack rows ``(params, seed, position[, banned_ids])`` into a numpy ``SamplingBatch`` of
+    ``num_rows`` rows; padding rows are greedy with nothing banned. ``num_banned`` (B) defaults
+    to the longest banned list rounded up to a power of two (at least 1); fix it to avoid
+    recompiles. ``params`` are assumed validated; greedy params (``is_greedy``) become
+    ``temperature=0`` with the filters off, ``top_k >= vocab`` becomes 0."""
+    rows = [SampleRow(*r) for r in rows]
+    if len(rows) > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {len(rows)} rows")
+    longest = max((len(r.banned) for r in rows), default=0)
+    if num_banned is None:
+        num_banned = 1 << max(0, longest - 1).bit_length()
+    elif longest > num_banned:
+        raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
+
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    min_p = np.zeros(num_rows, np.float32)
+    seed = np.zeros((num_rows, 2), np.uint32)
+    position = np.zeros(num_rows, np.int32)
+    banned = np.full((num_rows, num_banned), -1, np.int32)
+    for i, r in enumerate(rows):
+        p = r.params
+        seed[i] = split_seed(int(r.seed))
+        if not 0 <= r.position < POSITION_LIMIT:
+            raise ValueError(f"row {i}: position={r.position!r} out of range [0, 2**31)")
+        position[i] = r.position
+        bad = [t for t in r.banned if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"row {i}: banned token ids {bad} out of range [0, {vocab})")
+        banned[i, :len(r.banned)] = r.banned
+        if p.is_greedy:
+            continue  # temperature 0, filters off
+        temperature[i] = p.temperature
+        top_k[i] = p.top_k if 0 < p.top_k < vocab else 0
+        top_p[i] = p.top_p
+        min_p[i] = p.min_p
+    sampled = temperature >= SAMPLING_EPS
+    needs_filter = bool(np.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))))
+    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                         position=position, banned_RB=banned, all_greedy=not bool(sampled.any()),
+                         needs_filter=needs_filter)
+
+
+# --------------------------------------------------------------------------- device side
+
+
+def ban_tokens(logits_RV: jax.Array, banned_RB: jax.Array) -> jax.Array:
+    """``logits_RV`` with each row's ``banned_RB`` ids (``-1`` = none) set to ``-inf``."""
+    R, V = logits_RV.shape
+    ids_RB = jnp.where((banned_RB >= 0) & (banned_RB < V), banned_RB, V)  # V: dropped
+    rows_R1 = jnp.arange(R)[:, None]
+    return logits_RV.at[rows_R1, ids_RB].set(-jnp.inf, mode="drop")
+
+
+def filter_cutoff(logits_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
+                  min_p_R: jax.Array) -> jax.Array:
+    """Per-row cutoff value ``[R]``: min-p, then top-k, then top-p keep exactly the tokens with
+    ``logits_RV >= cutoff``. ``logits_RV`` are the temperature-scaled logits. One sort per row."""
+    R, V = logits_RV.shape
+    asc_RV = jnp.sort(logits_RV, axis=-1)
+    max_R1 = asc_RV[:, -1:]
+    # min-p: p / p_max = exp(l - l_max) >= min_p (min_p = 0 keeps everything)
+    keep_RV = jnp.exp(asc_RV - max_R1) >= min_p_R[:, None]
+    # top-k: values >= the k-th largest (ties with it kept, as vLLM)
+    k_R = jnp.where((top_k_R <= 0) | (top_k_R >= V), V, top_k_R)
+    kth_R1 = jnp.take_along_axis(asc_RV, (V - k_R)[:, None], axis=-1)
+    keep_RV &= asc_RV >= kth_R1
+    # top-p on the renormalised survivors: drop the low tail of mass <= 1 - top_p (the mass of
+    # each token and all below it is an ascending cumsum, as vLLM); top_p >= 1 keeps everything
+    probs_RV = jax.nn.softmax(jnp.where(keep_RV, asc_RV, -jnp.inf), axis=-1)
+    tail_RV = jnp.cumsum(probs_RV, axis=-1)
+    top_p_R1 = top_p_R[:, None]
+    keep_RV &= (tail_RV > 1 - top_p_R1) | (top_p_R1 >= 1)
+    keep_RV = keep_RV.at[:, -1].set(True)  # the top token always stays
+    first_R = jnp.argmax(keep_RV, axis=-1)  # the kept tokens are a suffix of asc_RV
+    return jnp.take_along_axis(asc_RV, first_R[:, None], axis=-1)[:, 0]
+
+
+def apply_filters(logits_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
+                  min_p_R: jax.Array) -> jax.Array:
+    """``logits_RV`` (temperature-scaled) with the tokens min-p / top-k / top-p drop set to ``-inf``."""
+    cutoff_R = filter_cutoff(logits_RV, top_k_R, top_p_R, min_p_R)
+    return jnp.where(logits_RV >= cutoff_R[:, None], logits_RV, -jnp.inf)
+
+
+def row_keys(seed_R2: jax.Array, position_R: jax.Array) -> jax.Array:
+    """One threefry key per row: ``fold_in(key(seed), position)``."""
+    keys_R = jax.random.wrap_key_data(jnp.asarray(seed_R2, jnp.uint32), impl=PRNG_IMPL)
+    return jax.vmap(jax.random.fold_in)(keys_R, jnp.asarray(position_R, jnp.int32))
+
+
+def gumbel_noise(seed_R2: jax.Array, position_R: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise ``f32 [R, vocab]``, each row from its own key (see ``row_keys``)."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(row_keys(seed_R2, position_R))
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> SamplerOutput:
+    """Sample one token per row of ``logits_RV`` ``[R, V]`` (see the module docstring) and return
+    it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``)."""
+    logits_RV = logits_RV.astype(jnp.float32)
+    R, V = logits_RV.shape
+    if sb.num_rows != R:
+        raise ValueError(f"logits have {R} rows but the SamplingBatch has {sb.num_rows}")
+    lse_R = jax.nn.logsumexp(logits_RV, axis=-1)
+
+    allowed_RV = ban_tokens(logits_RV, sb.banned_RB)
+    token_R = jnp.argmax(allowed_RV, axis=-1).astype(jnp.int32)  # greedy; ties -> lowest id
+    if not sb.all_greedy:
+        temperature_R = jnp.asarray(sb.temperature, jnp.float32)
+        greedy_R = temperature_R < SAMPLING_EPS
+        scaled_RV = allowed_RV / jnp.where(greedy_R, 1.0, temperature_R)[:, None]
+        if sb.needs_filter:
+            scaled_RV = apply_filters(scaled_RV, jnp.asarray(sb.top_k, jnp.int32),
+                                      jnp.asarray(sb.top_p, jnp.float32), jnp.asarray(sb.min_p, jnp.float32))
+        drawn_R = jnp.argmax(scaled_RV + gumbel_noise(sb.seed, sb.position, V), axis=-1).astype(jnp.int32)
+        token_R = jnp.where(greedy_R, token_R, drawn_R)
+
+    logprob_R = jnp.take_along_axis(logits_RV, token_R[:, None], axis=-1)[:, 0] - lse_R
+    if num_logprobs > 0:
+        top_vals_RN, top_ids_RN = jax.lax.top_k(logits_RV, num_logprobs)  # ties -> lower id first
+        top_logprobs_RN = top_vals_RN - lse_R[:, None]
+    else:
+        top_ids_RN = jnp.zeros((R, 0), jnp.int32)
+        top_logprobs_RN = jnp.zeros((R, 0), jnp.float32)
+    return SamplerOutput(token_ids=token_R, logprob=logprob_R, top_ids=top_ids_RN.astype(jnp.int32),
+                         top_logprobs=top_logprobs_RN)
