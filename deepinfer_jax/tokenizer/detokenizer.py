@@ -1,0 +1,130 @@
+"""Incremental (streaming) detokenization.
+
+``IncrementalDetokenizer`` turns output token ids, pushed as they are sampled, into text deltas
+whose concatenation equals ``decode(prompt + output)`` minus ``decode(prompt)`` (whenever that
+difference is a clean suffix, see below). It uses the prefix_offset / read_offset scheme of vLLM
+and TGI rather than decoding tokens one by one, because a token's text depends on its
+neighbours (SentencePiece/Metaspace leading spaces, WordPiece ``##`` joins, byte-level BPE
+characters spread over several tokens):
+
+* ``ids[prefix_offset:read_offset]`` is a short window of tokens already turned into text;
+  ``ids[read_offset:]`` are tokens not yet emitted.
+* For each new token, ``decode(ids[prefix_offset:])`` is compared with the window's text
+  ``decode(ids[prefix_offset:read_offset])``; the new suffix is emitted and the window slides
+  forward (``prefix_offset = read_offset``, ``read_offset = len(ids)``).
+* Nothing is emitted while the decoded text ends with U+FFFD (an incomplete UTF-8 sequence:
+  byte-level BPE splits multi-byte characters over tokens), so characters come out whole.
+  ``finish()`` flushes anything still held (e.g. a sequence that never completes).
+
+The first window is the tail of the prompt (the last ``context_tokens`` tokens that decode to
+something), so the first output token's leading space / join behaves as in a full decode.
+
+Caveat: when ``decode(prompt)`` itself ends with an incomplete UTF-8 sequence that the output
+completes, ``decode(prompt + output)`` does not extend ``decode(prompt)``; the detokenizer then
+emits only the text after that character (as vLLM does).
+
+This module must not import JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .loader import TokenizerInfo
+
+__all__ = ["IncrementalDetokenizer"]
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenizer of one request's output.
+
+    Args:
+        tok: the loaded tokenizer.
+        prompt_ids: the prompt token ids (only the tail is kept, as context).
+        skip_special_tokens: drop ``tok.all_special_ids`` from the text.
+        context_tokens: how many visible prompt tokens seed the first window.
+
+    Attributes:
+        text: all output text emitted so far (held-back bytes excluded until complete/finish).
+        token_ids: all output token ids pushed so far.
+    """
+
+    def __init__(self, tok: TokenizerInfo, prompt_ids: Iterable[int], skip_special_tokens: bool = True,
+                 context_tokens: int = 5) -> None:
+        self._tok = tok
+        self._skip = bool(skip_special_tokens)
+        prompt = [int(i) for i in prompt_ids]
+        start = self._context_start(prompt, context_tokens)
+        # _ids holds the context window + unfinished output tokens; offsets index into it.
+        self._ids: list[int] = prompt[start:]
+        self.prefix_offset = 0
+        self.read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self.text = ""
+        self.token_ids: list[int] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    def _visible(self, token_id: int) -> bool:
+        """Whether ``token_id`` contributes text (not skipped as special, inside the vocab)."""
+        if self._skip and token_id in self._tok.all_special_ids:
+            return False
+        return self._tok.id_to_token(token_id) is not None
+
+    def _context_start(self, prompt: list[int], n: int) -> int:
+        """Index where the prompt tail holding ``n`` visible tokens starts (0 if fewer)."""
+        seen = 0
+        for i in range(len(prompt) - 1, -1, -1):
+            if seen >= n:
+                return i + 1
+            if self._visible(prompt[i]):
+                seen += 1
+        return 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _advance(self, final: bool) -> str:
+        """Emit the text of ``ids[read_offset:]`` if it is complete (or ``final``)."""
+        new_text = self._decode(self._ids[self.prefix_offset:])
+        if len(new_text) <= len(self._prefix_text):
+            return ""
+        if not final and new_text.endswith(_REPLACEMENT):
+            return ""  # incomplete UTF-8 sequence: wait for the next token
+        delta = new_text[len(self._prefix_text):]
+        # Slide the window: the just-emitted tokens become the context of the next decode.
+        del self._ids[:self.read_offset]
+        self.prefix_offset = 0
+        self.read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self.text += delta
+        return delta
+
+    # ------------------------------------------------------------------ API
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Add output tokens; return the text they finalise (may be ``""`` while bytes are held).
+
+        Tokens are processed one at a time, so the result does not depend on how the ids are
+        chunked across calls.
+        """
+        out: list[str] = []
+        for token_id in new_ids:
+            token_id = int(token_id)
+            self.token_ids.append(token_id)
+            self._ids.append(token_id)
+            delta = self._advance(final=False)
+            if delta:
+                out.append(delta)
+        return "".join(out)
+
+    def finish(self) -> str:
+        """Flush text held back for an incomplete UTF-8 sequence; return it (``""`` if none)."""
+        return self._advance(final=True)
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Output tokens pushed whose text has not been emitted yet."""
+        return len(self._ids) - self.read_offset
