@@ -1,0 +1,25 @@
+"""deepinfer_jax: a JAX/XLA inference engine for the DeepSeek-V4.1 model family.
+
+Public API (imported lazily, so ``deepinfer_jax.host_scheduler`` stays free of JAX):
+``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "deepinfer_jax.entrypoints.llm",
+    "SamplingParams": "deepinfer_jax.sampling.params",
+    "RequestOutput": "deepinfer_jax.engine.outputs",
+    "CompletionOutput": "deepinfer_jax.engine.outputs",
+    "EngineConfig": "deepinfer_jax.engine_config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'deepinfer_jax' has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""Turns sampled tokens into request state: detokenization, stop checks, logprobs, outputs.
+
+Stop rules, checked after each new token in this order: EOS (unless ``ignore_eos``) and
+``stop_token_ids`` finish with "stop" (the token stays in ``token_ids``; EOS text is a special
+token and is skipped); a stop string finishes with "stop" and cuts the text before it (or after
+it with ``include_stop_str_in_output``); ``max_tokens`` or ``max_model_len`` finish with "length".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepinfer_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics
+from deepinfer_jax.host_scheduler.request import Request, RequestStatus
+from deepinfer_jax.tokenizer.detokenizer import IncrementalDetokenizer
+from deepinfer_jax.tokenizer.stop_checker import StopChecker
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    """Host-side output state of one request (one sample of a prompt)."""
+
+    request: Request
+    parent_id: str
+    index: int                                   # sample index within the parent (n)
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tok = tokenizer
+        self.max_model_len = max_model_len
+
+    def new_state(self, req: Request, parent_id: str, index: int) -> RequestState:
+        p = req.params
+        detok = IncrementalDetokenizer(self.tok, req.prompt_token_ids, p.skip_special_tokens) if self.tok else None
+        stop = StopChecker(p.stop, p.include_stop_str_in_output) if (p.stop and self.tok) else None
+        st = RequestState(req, parent_id, index, detok, stop)
+        if p.logprobs is not None:
+            st.logprobs = []
+        if p.prompt_logprobs is not None:
+            st.prompt_logprobs = [None] * len(req.prompt_token_ids)
+        return st
+
+    def _decoded(self, t: int) -> str | None:
+        return self.tok.decode([t], skip_special_tokens=False) if self.tok else None
+
+    def add_prompt_logprobs(self, st: RequestState, position: int, target_lp: float, top_ids, top_lps) -> None:
+        """Logprobs of prompt token ``position`` (predicted at ``position - 1``)."""
+        n = st.request.params.prompt_logprobs
+        tgt = st.request.prompt_token_ids[position]
+        d = {int(i): Logprob(float(v), r + 1, self._decoded(int(i))) for r, (i, v) in
+             enumerate(zip(top_ids[:n], top_lps[:n]))}
+        if tgt not in d:
+            d[tgt] = Logprob(float(target_lp), None, self._decoded(tgt))
+        st.prompt_logprobs[position] = d
+
+    def add_token(self, st: RequestState, token: int, logprob: float, top_ids, top_lps) -> RequestStatus | None:
+        """Append one sampled token; returns the finishing status or None."""
+        req, p = st.request, st.request.params
+        req.output_token_ids.append(token)
+        st.cumulative_logprob += logprob
+        if st.logprobs is not None:
+            n = p.logprobs
+            d = {int(i): Logprob(float(v), r + 1, self._decoded(int(i))) for r, (i, v) in
+                 enumerate(zip(top_ids[:n], top_lps[:n]))}
+            if token not in d:
+                d[token] = Logprob(float(logprob), None, self._decoded(token))
+            st.logprobs.append(d)
+        if st.detok is not None:
+            delta = st.detok.push([token])
+            st.text += delta
+            if st.stop is not None and delta:
+                stopped, cut = st.stop.check(st.text, len(delta))
+                if stopped:
+                    full = st.text
+                    st.text = full[:cut]
+                    req.stop_reason = next((s for s in st.stop.stop if full.startswith(s, cut) or
+                                            full[:cut].endswith(s)), None)
+                    return RequestStatus.FINISHED_STOPPED
+        if not p.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_text(self, st: RequestState, status: RequestStatus) -> None:
+        if st.detok is not None and status != RequestStatus.FINISHED_STOPPED:
+            st.text += st.detok.finish()
+
+    def completion(self, st: RequestState) -> CompletionOutput:
+        req = st.request
+        fr = req.status.value if req.status.finished else None
+        m = req
+        metrics = RequestMetrics(
+            arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time, finished_time=m.finished_time,
+            time_in_queue=(m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time else None,
+            num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions)
+        return CompletionOutput(st.index, st.text, list(req.output_token_ids),
+                                st.cumulative_logprob if (st.logprobs is not None) else None,
+                                st.logprobs, fr, req.stop_reason, metrics)

@@ -1,0 +1,84 @@
+"""StatsLogger: one record per engine step and a summary (FEATURES §9).
+
+Per step: scheduled tokens and the padded bucket, prefill/decode split, rows, step time (dispatch
+to results on the host), host time (scheduling + input building + dispatch), queue wait of the
+requests admitted, prefix-cache hit tokens, preemptions. ``summary()`` aggregates them with the
+number of generated tokens and the wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+
+@dataclasses.dataclass
+class StepStats:
+    step_id: int
+    num_tokens: int
+    bucket_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_rows: int
+    step_time_s: float         # dispatch -> outputs on the host
+    host_time_s: float         # schedule + build inputs + dispatch
+    cache_hit_tokens: int
+    preemptions: int
+    queue_wait_s: list[float]
+
+
+class StatsLogger:
+    def __init__(self):
+        self.steps: list[StepStats] = []
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.finished_requests = 0
+        self.wall_time_s = 0.0
+
+    def record(self, s: StepStats) -> None:
+        self.steps.append(s)
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def summary(self) -> dict:
+        st = self.steps
+        times = [s.step_time_s for s in st]
+        waits = [w for s in st for w in s.queue_wait_s]
+        tok = sum(s.num_tokens for s in st)
+        pad = sum(s.bucket_tokens for s in st)
+        pct = (lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0)
+        wall = self.wall_time_s or 1e-9
+        return {
+            "steps": len(st),
+            "requests": self.finished_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "scheduled_tokens": tok,
+            "prefill_tokens": sum(s.num_prefill_tokens for s in st),
+            "decode_tokens": sum(s.num_decode_tokens for s in st),
+            "padding_fraction": (1 - tok / pad) if pad else 0.0,
+            "cache_hit_tokens": sum(s.cache_hit_tokens for s in st),
+            "preemptions": sum(s.preemptions for s in st),
+            "wall_time_s": self.wall_time_s,
+            "generated_tokens_per_s": self.generated_tokens / wall,
+            "total_tokens_per_s": tok / wall,
+            "step_time_mean_s": statistics.fmean(times) if times else 0.0,
+            "step_time_p50_s": pct(times, 0.5),
+            "step_time_p90_s": pct(times, 0.9),
+            "host_time_mean_s": statistics.fmean([s.host_time_s for s in st]) if st else 0.0,
+            "queue_wait_mean_s": statistics.fmean(waits) if waits else 0.0,
+        }
+
+    def summary_line(self) -> str:
+        s = self.summary()
+        return (f"{s['requests']} requests, {s['prompt_tokens']} prompt + {s['generated_tokens']} generated tokens "
+                f"in {s['wall_time_s']:.2f}s: {s['generated_tokens_per_s']:.1f} gen tok/s, "
+                f"{s['total_tokens_per_s']:.1f} tok/s total; {s['steps']} steps "
+                f"(p50 {1e3 * s['step_time_p50_s']:.1f} ms), cache hits {s['cache_hit_tokens']} tok, "
+                f"{s['preemptions']} preemptions")
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"summary": self.summary(), "steps": [dataclasses.asdict(s) for s in self.steps]}, f, indent=1)

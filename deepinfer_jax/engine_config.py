@@ -1,0 +1,108 @@
+"""``EngineConfig``: every knob of the offline engine (scheduler, caches, runner), validated.
+
+Fields follow vLLM's names where one exists. ``resolve(model_cfg)`` fills the model-dependent
+defaults (``max_model_len``, ``num_blocks``, ``prefix_replay_tokens``, token buckets) and checks
+the combination; errors name the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+YOCO_MODES = ("off", "mask", "compact")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    # --- scheduler ---
+    max_num_seqs: int = 16                 # running requests (one sliding-window slot each)
+    max_num_batched_tokens: int = 256      # token budget of one step (prefill chunks + decode)
+    max_model_len: int | None = None       # default: min(max_position_embeddings, 4096)
+    # --- caches ---
+    block_tokens: int = 64                 # positions per paged block (multiple of every ratio)
+    num_blocks: int | None = None          # default: max_num_seqs full-length sequences
+    enable_prefix_caching: bool = True
+    # tail of a cached prefix replayed to rebuild sliding-window state after a hit; default
+    # (None): n_layers*(W-1)+W, enough for the window state to be exact (host_scheduler/scheduler.py)
+    prefix_replay_tokens: int | None = None
+    # --- YOCO prefill truncation (FEATURES §5) ---
+    yoco_truncation: str = "compact"
+    yoco_keep_tokens: int = 140
+    max_backtracking_tokens: int = 12      # positions the window state may be rolled back by
+    # --- runner ---
+    async_scheduling: bool = True
+    token_buckets: tuple[int, ...] | None = None  # padded step sizes; default powers of 2 >= 16
+    max_logprobs: int = 20
+    seed: int = 0                          # seeds requests that give no seed of their own
+    kernels: str = "auto"                  # "auto" | "reference" (kernels_pallas.ops backend)
+    dp: int = 1
+    cp: int = 1
+    precompile: bool = True                # compile every bucket at start-up
+
+    def _bad(self, field: str, why: str):
+        raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
+
+    def resolve(self, cfg) -> "EngineConfig":
+        """Defaults that depend on the model, then the checks. Returns a new config."""
+        for f in ("max_num_seqs", "max_num_batched_tokens", "block_tokens", "dp", "cp"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                self._bad(f, "must be an integer >= 1")
+        if self.yoco_truncation not in YOCO_MODES:
+            self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
+        if self.kernels not in ("auto", "reference"):
+            self._bad("kernels", "expected 'auto' or 'reference'")
+        if self.max_logprobs < 0:
+            self._bad("max_logprobs", "must be >= 0")
+        if self.seed < 0:
+            self._bad("seed", "must be >= 0")
+        W = cfg.sliding_window
+        if self.yoco_truncation != "off" and self.yoco_keep_tokens < W + self.max_backtracking_tokens:
+            self._bad("yoco_keep_tokens", f"must be >= sliding_window ({W}) + max_backtracking_tokens "
+                                          f"({self.max_backtracking_tokens}) = {W + self.max_backtracking_tokens}")
+        max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_len < 2 or max_len > cfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len={max_len}: must be in "
+                             f"[2, max_position_embeddings={cfg.max_position_embeddings}]")
+        max_len = -(-max_len // self.block_tokens) * self.block_tokens if self.max_model_len is None else max_len
+        max_len = min(max_len, cfg.max_position_embeddings)
+        blocks_per_seq = -(-max_len // self.block_tokens)
+        num_blocks = self.num_blocks if self.num_blocks is not None else self.max_num_seqs * blocks_per_seq
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"EngineConfig.num_blocks={num_blocks}: fewer than one max_model_len sequence "
+                             f"needs ({blocks_per_seq} blocks of {self.block_tokens} tokens)")
+        replay = self.prefix_replay_tokens
+        if replay is None:
+            replay = cfg.num_hidden_layers * (W - 1) + W
+        if replay < 0:
+            self._bad("prefix_replay_tokens", "must be >= 0")
+        buckets = self.token_buckets
+        if buckets is None:
+            b, buckets = 16, []
+            while b < self.max_num_batched_tokens:
+                buckets.append(b)
+                b *= 2
+            buckets.append(self.max_num_batched_tokens)
+        buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not buckets or buckets[0] < 1:
+            self._bad("token_buckets", "needs at least one size >= 1")
+        if buckets[-1] < self.max_num_batched_tokens:
+            self._bad("token_buckets", f"largest bucket < max_num_batched_tokens={self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            self._bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} "
+                                                "(every running request decodes one token per step)")
+        return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks,
+                                   prefix_replay_tokens=replay, token_buckets=buckets)
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_tokens)
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise ValueError(f"unknown engine config field(s) {unknown}; known: {sorted(names)}")
+        return cls(**kw)

@@ -1,0 +1,92 @@
+"""A request as the host scheduler sees it: its tokens, sampling settings and cache bookkeeping.
+
+Counting, in positions of the request's sequence:
+
+* ``all_token_ids``: the tokens the host knows (prompt + processed outputs).
+* ``num_pending``: samples dispatched to the device but not yet processed (async scheduling
+  keeps at most two in flight while a round is being scheduled). The sequence length the
+  scheduler plans with is ``num_tokens_planned = len(all_token_ids) + num_pending``.
+* ``num_computed``: positions already scheduled into the caches (optimistic: includes steps
+  still in flight). A request decodes when ``num_computed == num_tokens_planned - 1``.
+* ``epoch``: bumped on preemption; results of steps dispatched in an older epoch are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any                       # sampling.SamplingParams
+    seed: int                         # the request's sampling seed (given or drawn by the engine)
+    eos_token_id: int | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # --- outputs ---
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    # --- scheduling state ---
+    num_computed: int = 0
+    num_pending: int = 0
+    last_sample: tuple[int, int] | None = None  # (step id, logits row) of the newest in-flight sample
+    epoch: int = 0
+    slot: int | None = None
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    floor: int = 0                    # first window position visible (replay start after a hit)
+    dec_floor: int = 0                # YOCO: first position the decoder layers compute
+    cache_start: int = 0              # first position whose compressed entries this request writes
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full known blocks
+    num_registered_blocks: int = 0    # blocks handed to the prefix cache
+    # --- metrics ---
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_planned(self) -> int:
+        return self.num_tokens + self.num_pending
+
+    @property
+    def num_outputs_planned(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens_planned - 1
+
+    def token_at(self, position: int) -> int | None:
+        """The token at ``position`` if the host knows it, else None (an in-flight sample)."""
+        n_p = len(self.prompt_token_ids)
+        if position < n_p:
+            return self.prompt_token_ids[position]
+        i = position - n_p
+        return self.output_token_ids[i] if i < len(self.output_token_ids) else None

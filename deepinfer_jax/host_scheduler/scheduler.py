@@ -1,0 +1,304 @@
+"""Continuous-batching scheduler: picks each step's ragged batch (FEATURES §2, §3, §5).
+
+One call to ``schedule()`` plans one step under ``max_num_batched_tokens`` and
+``max_num_seqs``:
+
+1. Running requests first, oldest first: a prefill in progress gets its next chunk (as much as
+   the budget allows), a decoding request one token. A decode token whose id is still on the
+   device (sampled by the previous, in-flight step) is a *placeholder*: the row names the
+   previous step's logits row and the runner resolves it on device.
+2. Then waiting requests, FCFS, while budget, a sliding-window slot and blocks are available.
+   A newly admitted request looks up the prefix cache (full blocks of its known tokens, never
+   the last token); on a hit it starts at the *replay start* — the cached length minus
+   ``prefix_replay_tokens``, rounded down to a block — with its window floor there (the slot has
+   no state below it) and compressed-cache writes from the cached length on (the hit blocks are
+   shared). ``prefix_replay_tokens >= (n_layers-1)*(W-1)+W`` makes the rebuilt window state exact
+   (the default, ``n_layers*(W-1)+W``, is above it): layer 0's keys come from the embeddings,
+   and layer l's outputs are exact ``(l+1)*(W-1)`` positions after the replay start (the
+   compressed KV they also read is the cached, exact one).
+3. When a running request needs a block and none is free, the newest running request is
+   preempted (blocks and slot freed, progress reset, put at the front of the queue; its
+   outputs so far are kept and recomputed with the prompt).
+
+YOCO truncation: a request's ``dec_floor`` is ``len(prompt) - yoco_keep_tokens`` (0 when
+truncation is off or the request wants prompt logprobs); the decoder layers compute only
+positions at or above ``max(floor, dec_floor)``. By the same argument as for replay, truncation
+changes nothing when ``yoco_keep_tokens >= (n_decoder_layers-1)*(W-1)+W`` (2414 for
+V4.1-Flash: 19 decoder layers, W=128); below that it is an approximation.
+
+Blocks are handed to the prefix cache once every position in them is scheduled and their
+tokens are known (device steps run in dispatch order, so a later step never reads a block
+before the step writing it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_request_blocks
+from deepinfer_jax.host_scheduler.request import Request, RequestStatus
+from deepinfer_jax.host_scheduler.slot_pool import SlotPool
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    """One request's part of a step."""
+
+    request: Request
+    epoch: int
+    start: int                 # position of token_ids[0]
+    token_ids: list[int]       # -1 marks the placeholder (always the last token)
+    prev_row: int              # previous step's logits row holding the placeholder's id, or -1
+    sample: bool               # the chunk reaches the end of the sequence: sample the next token
+    slot: int
+    blocks: list[int]
+    floor: int
+    dec_floor: int
+    cache_start: int
+    is_prefill: bool
+    banned: list[int]          # token ids that may not be sampled (min_tokens)
+    prompt_logprobs: bool      # return logprobs of the prompt positions in this chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sample_position(self) -> int:
+        """Position of the token sampled by this row."""
+        return self.start + len(self.token_ids)
+
+    @property
+    def num_decoder_tokens(self) -> int:
+        first = min(max(self.dec_floor - self.start, 0), len(self.token_ids))
+        return len(self.token_ids) - first
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    step_id: int
+    rows: list[ScheduledRow]
+    preempted: list[str]
+    cache_hit_tokens: int      # prompt tokens served by the prefix cache for rows admitted now
+    queue_wait: list[float]    # seconds in the queue of each request admitted now
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows if r.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    @property
+    def num_decoder_tokens(self) -> int:
+        return sum(r.num_decoder_tokens for r in self.rows)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return any(r.prompt_logprobs for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, ec, max_model_len: int | None = None):
+        """``ec``: a resolved ``EngineConfig``."""
+        self.ec = ec
+        self.max_model_len = max_model_len or ec.max_model_len
+        self.pool = BlockPool(ec.num_blocks, ec.block_tokens, ec.enable_prefix_caching)
+        self.slots = SlotPool(ec.max_num_seqs)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.next_step_id = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        ec = self.ec
+        if ec.yoco_truncation != "off" and req.params.prompt_logprobs is None:
+            req.dec_floor = max(0, len(req.prompt_token_ids) - ec.yoco_keep_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and free its blocks and slot (their in-flight writes run first on device)."""
+        if req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self._register_blocks(req)
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.finished_time = time.monotonic()
+        del self.requests[req.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> SchedulerOutput:
+        step = self.next_step_id
+        budget = self.ec.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self._ensure_blocks(req, req.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                rows.append(self._row(req, n, step, len(rows)))
+                budget -= n
+                i += 1
+        hit_tokens, waits = 0, []
+        while self.waiting and budget > 0 and len(self.running) < self.ec.max_num_seqs:
+            req = self.waiting[0]
+            admitted = self._admit(req, budget)
+            if admitted is None:
+                break
+            n, hits = admitted
+            self.waiting.popleft()
+            self.running.append(req)
+            now = time.monotonic()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = hits
+                waits.append(now - req.arrival_time)
+            hit_tokens += hits
+            rows.append(self._row(req, n, step, len(rows)))
+            budget -= n
+        if rows:
+            self.next_step_id += 1
+        return SchedulerOutput(step, rows, preempted, hit_tokens, waits)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        planned = req.num_tokens_planned
+        if req.num_computed < planned - 1:  # prefill (or recompute) in progress
+            return min(planned - req.num_computed, budget)
+        if req.num_computed != planned - 1:
+            return 0  # every known token computed; a finishing sample is in flight
+        p = req.params
+        if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
+            return 0  # the in-flight samples will finish it
+        return 1
+
+    def _blocks_needed(self, end: int) -> int:
+        return -(-end // self.ec.block_tokens)
+
+    def _ensure_blocks(self, req: Request, end: int) -> bool:
+        need = self._blocks_needed(end) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.pool.append(req.request_id, need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
+        """Slot, prefix lookup and blocks for a waiting request. Returns (tokens this step, prefix
+        hit tokens) or None (nothing changed) when resources are short."""
+        bt = self.ec.block_tokens
+        self._update_hashes(req)
+        n_known = req.num_tokens
+        hit_blocks = []
+        if self.ec.enable_prefix_caching and req.params.prompt_logprobs is None:
+            hit_blocks = self.pool.find_prefix(req.block_hashes, n_known, record=True)
+        cached = len(hit_blocks) * bt
+        start = 0
+        if cached:
+            start = max(0, cached - self.ec.prefix_replay_tokens) // bt * bt
+        n = min(n_known - start, budget)
+        if self.slots.num_free == 0:
+            return None
+        need = self._blocks_needed(start + n) - len(hit_blocks)
+        blocks = self.pool.allocate(req.request_id, hit_blocks, max(need, 0))
+        if blocks is None:
+            return None
+        req.slot = self.slots.allocate(req.request_id)
+        req.blocks = list(blocks)
+        req.num_registered_blocks = len(hit_blocks)
+        req.num_computed = start
+        req.floor, req.cache_start = start, cached
+        req.status = RequestStatus.RUNNING
+        return n, cached
+
+    def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
+        start = req.num_computed
+        toks, prev_row = [], -1
+        for p in range(start, start + n):
+            t = req.token_at(p)
+            if t is None:
+                if p != start + n - 1 or req.last_sample is None or req.last_sample[0] != step - 1:
+                    raise AssertionError(f"request {req.request_id}: token at {p} unknown and not "
+                                         f"the previous step's sample ({req.last_sample})")
+                prev_row, t = req.last_sample[1], -1
+            toks.append(t)
+        was_prefill = req.is_prefill
+        req.num_computed += n
+        sample = req.num_computed == req.num_tokens_planned
+        banned: list[int] = []
+        if sample:
+            req.num_pending += 1
+            req.last_sample = (step, row_index)
+            if req.num_outputs_planned - 1 < req.params.min_tokens:
+                banned = ([req.eos_token_id] if req.eos_token_id is not None else []) + list(req.params.stop_token_ids)
+        n_prompt = len(req.prompt_token_ids)
+        want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1 and req.epoch == 0
+        self._register_blocks(req)
+        return ScheduledRow(
+            request=req, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row, sample=sample,
+            slot=req.slot, blocks=list(req.blocks), floor=req.floor, dec_floor=max(req.floor, req.dec_floor),
+            cache_start=req.cache_start, is_prefill=was_prefill, banned=banned, prompt_logprobs=want_plp)
+
+    # ------------------------------------------------------------------ cache bookkeeping
+    def _update_hashes(self, req: Request) -> None:
+        bt = self.ec.block_tokens
+        n_full = req.num_tokens // bt
+        if len(req.block_hashes) < n_full:
+            req.block_hashes = hash_request_blocks(req.all_token_ids[: n_full * bt], bt)
+
+    def _register_blocks(self, req: Request) -> None:
+        if not self.ec.enable_prefix_caching:
+            return
+        n_full = min(req.num_computed, req.num_tokens) // self.ec.block_tokens
+        if n_full > req.num_registered_blocks:
+            self._update_hashes(req)
+            self.pool.cache_full_blocks(req.request_id, req.block_hashes[:n_full])
+            req.num_registered_blocks = n_full
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.request_id)
+        self.slots.free(req.request_id)
+        req.blocks, req.slot = [], None
+
+    def _preempt(self, req: Request) -> None:
+        self._register_blocks(req)
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = req.num_pending = 0
+        req.last_sample = None
+        req.num_registered_blocks = 0
+        req.epoch += 1
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

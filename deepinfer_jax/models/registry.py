@@ -1,0 +1,43 @@
+"""Model names -> model directories: a directory is used as is; a preset name (``v41-tiny``,
+``v41-flash``) has no released weights here, so on first use a random-weight checkpoint of that
+preset (official format, with a small tokenizer) is written to ``$DEEPINFER_CACHE`` (default
+``~/.cache/deepinfer_jax``) and reused afterwards."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "v41-tiny"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer_jax"))
+
+
+def resolve_model(model: str, seed: int = 0, progress: bool = True) -> str:
+    """A model directory for ``model``: an existing directory, or a preset's random checkpoint."""
+    from deepinfer_jax.config import PRESETS, preset
+
+    model = os.fspath(model)
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ValueError(f"model={model!r}: directory has no config.json")
+        return model
+    if model not in PRESETS:
+        raise ValueError(f"model={model!r}: not a directory and not a preset (presets: {sorted(PRESETS)})")
+    out = cache_root() / f"{model}-random-seed{seed}"
+    if not (out / "config.json").exists():
+        from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+
+        print(f"writing a random-weight {model} checkpoint to {out} (first use)", file=sys.stderr)
+        tmp = out.with_name(out.name + f".partial{os.getpid()}")
+        write_random_checkpoint(preset(model), tmp, seed=seed, progress=progress)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

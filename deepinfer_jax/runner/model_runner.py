@@ -1,0 +1,159 @@
+"""Model runner: weights and cache on the device, bucketed jitted steps, async dispatch.
+
+``execute(sched)`` pads a ``SchedulerOutput`` to its bucket, dispatches the jitted step (model
+forward + on-device sampling) and returns at once with a ``StepHandle``; ``handle.fetch()``
+waits for the results. The cache is donated to each step and the sampled ids of the last step
+stay on the device, where the next step reads its placeholders from them.
+
+Compiled variants: one per (token bucket, decoder-token bucket in compact truncation, with or
+without prompt logprobs). ``warmup()`` compiles every variant without prompt logprobs by
+running padding-only steps (their cache writes are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.models.cache import CacheConfig, allocate_cache
+from deepinfer_jax.models.engram_hash import EngramHasher
+from deepinfer_jax.models.engram_hash_device import DeviceEngramTables, device_hash
+from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
+from deepinfer_jax.sampling.sampler import sample
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_logprobs", "prompt_lp"), donate_argnames=("cache",))
+def _run_step(graphdef, state, cache, inp: StepInput, prev_sampled_R, engram_tables, *, num_logprobs: int,
+              prompt_lp: bool):
+    b = inp.batch
+    is_ph = inp.prev_row >= 0
+    tok = jnp.where(is_ph, prev_sampled_R[jnp.maximum(inp.prev_row, 0)], b.token_ids)
+    eids = b.engram_ids
+    if engram_tables is not None:
+        dev = device_hash(engram_tables, tok, inp.engram_partials)
+        eids = jnp.where(is_ph[:, None, None], dev, eids)
+    b = dataclasses.replace(b, token_ids=tok, engram_ids=eids)
+    model = nnx.merge(graphdef, state)
+    cache, logits, _ = model(cache, b)
+    R = inp.sampling.temperature.shape[0]
+    out = sample(logits[:R], inp.sampling, num_logprobs)
+    plp = None
+    if prompt_lp:
+        lp = jax.nn.log_softmax(logits[R:], axis=-1)
+        tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
+        plp = (tgt, top_ids.astype(jnp.int32), top_lp)
+    return cache, out, plp
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of one step's outputs (rows as in the step's ``SchedulerOutput``)."""
+
+    token_ids: np.ndarray      # int32 [R]
+    logprob: np.ndarray        # f32 [R]
+    top_ids: np.ndarray        # int32 [R, N]
+    top_logprobs: np.ndarray   # f32 [R, N]
+    prompt_target_lp: np.ndarray | None   # f32 [T]
+    prompt_top_ids: np.ndarray | None     # int32 [T, N]
+    prompt_top_lp: np.ndarray | None      # f32 [T, N]
+    token_offsets: list[int]   # flat token offset of each row
+
+
+class StepHandle:
+    def __init__(self, sched, out, plp, offsets, t_dispatch: float):
+        self.sched, self._out, self._plp, self._offsets = sched, out, plp, offsets
+        self.t_dispatch = t_dispatch
+        self.t_done: float | None = None
+        for a in jax.tree.leaves((out, plp)):
+            a.copy_to_host_async()
+
+    def fetch(self) -> StepResult:
+        o = jax.device_get(self._out)
+        p = jax.device_get(self._plp) if self._plp is not None else (None, None, None)
+        self.t_done = time.perf_counter()
+        return StepResult(np.asarray(o.token_ids), np.asarray(o.logprob), np.asarray(o.top_ids),
+                          np.asarray(o.top_logprobs), *p, self._offsets)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, ec, *, cfg: ModelConfig | None = None, mesh=None, progress: bool = True):
+        """``ec``: a resolved ``EngineConfig``."""
+        from deepinfer_jax.models.weights import load_model
+
+        self.ec = ec
+        self.cfg = cfg or ModelConfig.from_json(model_dir)
+        ops.set_backend(ec.kernels)
+        model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
+        self.graphdef, self.state = nnx.split(model)
+        self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
+                                        block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq)
+        self.cache = allocate_cache(self.cfg, self.cache_config)
+        if mesh is not None:
+            from deepinfer_jax.sharding.partition import shard_cache
+
+            self.cache = shard_cache(self.cache, mesh)
+        self.hasher, self.engram_tables = None, None
+        if self.cfg.engram_enabled:
+            tok = os.path.join(model_dir, "tokenizer.json")
+            self.hasher = EngramHasher.from_model_config(self.cfg, tok if os.path.exists(tok) else None)
+            self.engram_tables = jax.device_put(DeviceEngramTables.from_hasher(self.hasher))
+        self.num_rows = ec.max_num_seqs
+        self.prev_sampled = jnp.zeros((self.num_rows,), jnp.int32)
+        self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
+
+    # ------------------------------------------------------------------ buckets
+    def buckets_of(self, sched) -> tuple[int, int | None]:
+        T = pick_bucket(sched.num_tokens, self.ec.token_buckets)
+        Td = pick_bucket(max(sched.num_decoder_tokens, 1), self.ec.token_buckets) if self.compact else None
+        return T, (min(Td, T) if Td is not None else None)
+
+    def variants(self) -> list[tuple[int, int | None]]:
+        out = []
+        for T in self.ec.token_buckets:
+            if self.compact:
+                out += [(T, Td) for Td in self.ec.token_buckets if Td <= T]
+            else:
+                out.append((T, None))
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def _dispatch(self, sched, T: int, Td: int | None):
+        prompt_lp = sched.wants_prompt_logprobs
+        inp = build_step_input(sched, num_tokens=T, num_rows=self.num_rows, num_decoder_tokens=Td,
+                               cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
+                               prompt_lp=prompt_lp)
+        t0 = time.perf_counter()
+        self.cache, out, plp = _run_step(self.graphdef, self.state, self.cache, inp, self.prev_sampled,
+                                         self.engram_tables, num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
+        self.prev_sampled = out.token_ids
+        offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
+        h = StepHandle(sched, out, plp, offsets, t0)
+        h.bucket_tokens = T
+        return h
+
+    def execute(self, sched) -> StepHandle:
+        """Dispatch one step without waiting for it."""
+        T, Td = self.buckets_of(sched)
+        return self._dispatch(sched, T, Td)
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket variant (prompt logprobs excluded); returns seconds spent."""
+        from deepinfer_jax.host_scheduler.scheduler import SchedulerOutput
+
+        t0 = time.perf_counter()
+        empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
+        for T, Td in tqdm(self.variants(), desc="compiling steps", disable=not progress):
+            h = self._dispatch(empty, T, Td)
+            h.fetch()
+        return time.perf_counter() - t0

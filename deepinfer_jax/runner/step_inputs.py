@@ -1,0 +1,104 @@
+"""Host side of one jitted step: a ``SchedulerOutput`` -> padded numpy arrays (``StepInput``).
+
+Shapes are fixed by the bucket: T tokens (a ``token_buckets`` size), R = ``max_num_seqs`` rows,
+optionally T' decoder tokens (compact YOCO truncation). Every row gets one logits row (row r of
+the sampler); rows that do not sample are padding for the sampler. With prompt logprobs the
+logits rows continue with one row per flat token (``R + T`` in all).
+
+Placeholders: a decode token sampled by the previous step is not known here; its entry in
+``prev_row`` names the previous step's logits row and the device substitutes the id (and, with
+Engram, finishes its hash from ``engram_partials``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from deepinfer_jax.models.engram_hash_device import host_partials
+from deepinfer_jax.models.forward_batch import ForwardBatch, RowSpec, build_batch
+from deepinfer_jax.sampling.params import SamplingParams
+from deepinfer_jax.sampling.sampler import SampleRow, SamplingBatch, build_sampling_batch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInput:
+    batch: ForwardBatch
+    sampling: SamplingBatch
+    prev_row: jax.Array                     # int32 [T]: previous step's logits row, -1 = known id
+    engram_partials: jax.Array | None       # uint32 [T, n_engram_layers, K-1, 2] (placeholders only)
+    prompt_targets: jax.Array | None        # int32 [T]: next prompt token of each flat token
+
+
+NUM_BANNED = 8  # banned ids per sampler row (EOS + stop ids under min_tokens); more recompiles
+_PAD_ROW = SampleRow(SamplingParams(temperature=0.0), 0, 0, ())
+
+
+def pick_bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} tokens exceed the largest bucket {buckets[-1]}")
+
+
+def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
+                     cache_config, hasher, vocab: int, prompt_lp: bool) -> StepInput:
+    """Pad ``sched.rows`` into a ``StepInput`` of the given bucket sizes."""
+    specs, prev = [], np.full(num_tokens, -1, np.int32)
+    n_layers = hasher.n_layers if hasher is not None else 0
+    partials = None
+    if hasher is not None:
+        partials = np.zeros((num_tokens, n_layers, hasher.max_ngram_size - 1, 2), np.uint32)
+    targets = np.zeros(num_tokens, np.int32) if prompt_lp else None
+    logit_rows = []
+    plp_rows = np.full(num_tokens, -1, np.int64)
+    sample_rows = []
+    o = 0
+    for i, r in enumerate(sched.rows):
+        n = r.num_tokens
+        toks = list(r.token_ids)
+        eids = None
+        if hasher is not None:
+            hist = r.request.all_token_ids
+            known = n - (1 if r.prev_row >= 0 else 0)
+            eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
+            if known:
+                eids[:known] = hasher.hash_positions(np.asarray(hist[: r.start + known]),
+                                                     np.arange(r.start, r.start + known))
+            if r.prev_row >= 0:
+                partials[o + n - 1] = host_partials(hasher, np.asarray(hist[: r.start + n - 1]), r.start + n - 1)[0]
+        if r.prev_row >= 0:
+            prev[o + n - 1] = r.prev_row
+            toks[-1] = 0
+        specs.append(RowSpec(toks, r.start, r.slot, r.blocks, eids, floor=r.floor, dec_floor=r.dec_floor,
+                             cache_start=r.cache_start))
+        logit_rows.append(o + n - 1 if r.sample else -1)
+        if prompt_lp and r.prompt_logprobs:
+            prompt = r.request.prompt_token_ids
+            for j in range(n):
+                p = r.start + j
+                if p + 1 < len(prompt):
+                    plp_rows[o + j] = o + j
+                    targets[o + j] = prompt[p + 1]
+        if r.sample:
+            sample_rows.append((i, SampleRow(r.request.params, r.request.seed, r.sample_position, tuple(r.banned))))
+        o += n
+    logit_rows += [-1] * (num_rows - len(logit_rows))
+    if prompt_lp:
+        logit_rows += [int(t) for t in plp_rows]
+    cc = cache_config
+    batch = build_batch(specs, num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq,
+                        num_slots=cc.num_slots, n_engram_layers=n_layers,
+                        n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
+                        logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens)
+    rows = [_PAD_ROW] * num_rows
+    for i, sr in sample_rows:
+        rows[i] = sr
+    longest = max((len(sr.banned) for _, sr in sample_rows), default=0)
+    sampling = build_sampling_batch(rows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
+    # one compiled sampler for every batch composition (no static fast paths)
+    sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
+    return StepInput(batch, sampling, prev, partials, targets)

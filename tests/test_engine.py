@@ -1,0 +1,268 @@
+"""The offline engine end to end on the tiny model (CPU): ``LLM.generate`` against itself under
+batching, preemption, prefix caching, truncation modes, async/sync and seeded sampling.
+
+Every engine here uses one token bucket (64 tokens, 16 rows): on CPU XLA's fp32 results can
+depend on a step's padded shape, so comparisons that must be token-exact run all steps at the
+same shape (batch invariance across shapes is FEATURES §7, not this engine's promise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config import preset
+
+BASE = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(64,), max_model_len=320,
+            yoco_keep_tokens=40, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny")
+    write_random_checkpoint(preset("v41-tiny"), d, seed=3, progress=False)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, **BASE)
+
+
+def prompts_of(n: int, seed: int, lo: int = 3, hi: int = 150) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts16():
+    return prompts_of(16, seed=11)
+
+
+@pytest.fixture(scope="module")
+def batched16(llm, prompts16):
+    return llm.generate(prompts16, GREEDY, use_tqdm=False)
+
+
+def test_batched_equals_one_at_a_time(llm, prompts16, batched16):
+    assert any(len(p) > BASE["max_num_batched_tokens"] for p in prompts16)  # some prompts are chunked
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts16]
+    assert tokens(batched16) == tokens(alone)
+    for o, p in zip(batched16, prompts16):
+        assert o.prompt_token_ids == p
+        assert len(o.outputs[0].token_ids) == 8 and o.outputs[0].finish_reason == "length"
+
+
+def test_outputs_in_input_order_with_metrics(batched16, prompts16):
+    assert [o.prompt_token_ids for o in batched16] == prompts16
+    m = batched16[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_sync_equals_async(model_dir, prompts16, batched16):
+    sync = LLM(model_dir, async_scheduling=False, **BASE)
+    assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
+
+
+def test_preemption_keeps_outputs(model_dir, prompts16, batched16):
+    small = LLM(model_dir, num_blocks=8, **BASE)  # 8 blocks of 64 positions for 16 requests
+    outs = small.generate(prompts16, GREEDY, use_tqdm=False)
+    assert small.stats.summary()["preemptions"] > 0
+    assert tokens(outs) == tokens(batched16)
+
+
+def test_prefix_cache_hits_and_exact_replay(model_dir, llm):
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 250, size=150).tolist()
+    prompts = [shared + rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 40, size=6)]
+    no_cache = LLM(model_dir, enable_prefix_caching=False, **BASE)
+    ref = tokens(no_cache.generate(prompts, GREEDY, use_tqdm=False))
+    # first request alone fills the cache, then the rest hit it (replay of the whole prefix)
+    exact = LLM(model_dir, prefix_replay_tokens=320, **BASE)
+    first = exact.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = exact.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 128 for o in rest)
+    assert exact.engine.scheduler.pool.hit_rate > 0
+    assert tokens(first + rest) == ref
+    # the default replay length (n_layers*(W-1)+W = 50 for the tiny model) rebuilds the window
+    # state exactly too: replay starts at block 64, not 0
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest_default = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 128 for o in rest_default)
+    assert tokens(rest_default) == ref[1:]
+
+
+def test_short_replay_is_an_approximation(model_dir):
+    rng = np.random.default_rng(6)
+    shared = rng.integers(3, 250, size=200).tolist()
+    prompts = [shared + [7, 9, 11]]
+    no_cache = LLM(model_dir, enable_prefix_caching=False, **BASE)
+    ref = no_cache.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)
+    short = LLM(model_dir, prefix_replay_tokens=0, **BASE)
+    short.generate([shared + [1, 2, 3]], GREEDY, use_tqdm=False)
+    hit = short.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)
+    assert hit[0].num_cached_tokens == 192
+    a = [d[t].logprob for d, t in zip(ref[0].outputs[0].logprobs, ref[0].outputs[0].token_ids)]
+    b = [d[t].logprob for d, t in zip(hit[0].outputs[0].logprobs, hit[0].outputs[0].token_ids)]
+    assert a != b  # no replay: the window state starts empty at the cached boundary
+
+
+def _trajectory_logprobs(out):
+    c = out.outputs[0]
+    return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], [sorted(d) for d in c.logprobs]
+
+
+def test_compact_equals_mask_and_off_differs_only_on_long_prompts(model_dir):
+    # truncation is exact when keep_tokens >= (n_decoder_layers-1)*(W-1)+W (= 15 for the tiny
+    # model: 2 decoder layers, W=8); keep_tokens=8 makes it an approximation
+    long_p, short_p = prompts_of(1, 21, 120, 121)[0], prompts_of(1, 22, 6, 7)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=4, ignore_eos=True)
+    kw = dict(BASE, yoco_keep_tokens=8, max_backtracking_tokens=0)
+    compact = LLM(model_dir, **kw).generate([long_p, short_p], sp, use_tqdm=False)
+    mask = LLM(model_dir, **dict(kw, yoco_truncation="mask")).generate([long_p, short_p], sp, use_tqdm=False)
+    off = LLM(model_dir, **dict(kw, yoco_truncation="off")).generate([long_p, short_p], sp, use_tqdm=False)
+    for c, m in zip(compact, mask):
+        assert c.outputs[0].token_ids == m.outputs[0].token_ids
+        lc, tc = _trajectory_logprobs(c)
+        lm, tm = _trajectory_logprobs(m)
+        assert tc == tm
+        np.testing.assert_allclose(lc, lm, atol=1e-5)
+    # a prompt shorter than keep_tokens is not truncated: identical to off
+    assert _trajectory_logprobs(compact[1]) == _trajectory_logprobs(off[1])
+    # a long one is: the decoder layers saw only the last 8 prompt positions
+    assert _trajectory_logprobs(compact[0])[0] != _trajectory_logprobs(off[0])[0]
+
+
+def test_no_compilation_after_warmup(llm):
+    import jax
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    try:
+        sp = [SamplingParams(temperature=t, top_p=p, max_tokens=m, seed=s, logprobs=lp)
+              for t, p, m, s, lp in [(0.0, 1.0, 3, None, None), (0.8, 0.9, 9, 1, 2), (1.2, 0.5, 5, 2, None)]]
+        prompts = prompts_of(3, 31, 2, 140)
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = prompts_of(1, 41, 30, 31)[0]
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = prompts_of(7, 42)
+    batch = llm.generate(others[:3] + [p] + others[3:],
+                         [SamplingParams(temperature=0.9, max_tokens=10, seed=i) for i in range(3)] + [sp] +
+                         [SamplingParams(temperature=0.7, max_tokens=10) for _ in range(4)], use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=99,
+                                                  ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+    # seq_seed is the same knob
+    alias = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seq_seed=1234,
+                                             ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert alias == alone
+
+
+def test_n_samples_and_logprobs(llm):
+    p = prompts_of(1, 51, 10, 11)[0]
+    out = llm.generate([p], SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, logprobs=2,
+                                           ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == 6
+        for d, t in zip(c.logprobs, c.token_ids):
+            assert t in d and len(d) >= 2
+            ranked = sorted((lp.rank, lp.logprob) for lp in d.values() if lp.rank is not None)
+            assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_prompt_logprobs_agree_with_generation(llm):
+    p = prompts_of(1, 61, 70, 71)[0]  # longer than one chunk
+    g = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3), use_tqdm=False)[0]
+    t = g.outputs[0].token_ids[0]
+    out = llm.generate([p + [t]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(p) + 1 and plp[0] is None
+    assert all(p_tok in d for p_tok, d in zip((p + [t])[1:], plp[1:]))
+    assert plp[-1][t].logprob == pytest.approx(g.outputs[0].logprobs[0][t].logprob, abs=1e-4)
+
+
+def test_stop_token_ids_min_tokens_and_stop_strings(llm):
+    p = prompts_of(1, 71, 12, 13)[0]
+    free = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    toks = free.outputs[0].token_ids
+    stop_tok = toks[2]
+    first = toks.index(stop_tok)
+    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_tok]),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == toks[: first + 1] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_tok],
+                                         min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    assert stop_tok not in o.token_ids[: first + 2]
+    text = free.outputs[0].text
+    word = text.split()[3]
+    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=8, stop=[word]), use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == word
+    assert word not in o.text and text.startswith(o.text)
+
+
+def test_text_prompts_and_detokenization(llm):
+    out = llm.generate(["the cat and the dog", {"prompt": "a b c"}], GREEDY, use_tqdm=False)
+    for o in out:
+        assert o.prompt and o.prompt_token_ids
+        c = o.outputs[0]
+        assert c.text == llm.tokenizer.decode(o.prompt_token_ids + c.token_ids)[len(llm.tokenizer.decode(o.prompt_token_ids)):]
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], GREEDY, r"request 1: prompt is empty"),
+    ("", GREEDY, r"request 1: prompt is empty"),
+    ([5] * 320, GREEDY, r"request 1: prompt has 320 tokens; max_model_len=320"),
+    ([5, 999], GREEDY, r"request 1: prompt_token_ids \[999\] outside the vocabulary"),
+    ([5, 6], SamplingParams(top_p=1.5), r"request 1: SamplingParams.top_p=1.5"),
+    ([5, 6], SamplingParams(temperature=-1.0), r"request 1: SamplingParams.temperature=-1.0"),
+    ([5, 6], SamplingParams(logprobs=50), r"request 1: SamplingParams.logprobs=50"),
+    ({"prompt_ids": [1]}, GREEDY, r"request 1: unknown prompt field"),
+])
+def test_bad_request_raises_before_any_work(llm, prompt, params, match):
+    steps_before = len(llm.stats.steps)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7], prompt, [8, 9]], [GREEDY, params, GREEDY], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.stats.steps) == steps_before
+
+
+def test_bad_engine_and_model_config(model_dir):
+    with pytest.raises(ValueError, match=r"model='/nonexistent/dir'"):
+        LLM("/nonexistent/dir", progress=False)
+    with pytest.raises(ValueError, match=r"EngineConfig.yoco_keep_tokens=10: must be >= sliding_window"):
+        LLM(model_dir, yoco_keep_tokens=10, progress=False)
+    with pytest.raises(ValueError, match=r"unknown engine config field\(s\) \['max_seqs'\]"):
+        LLM(model_dir, max_seqs=3, progress=False)
+    with pytest.raises(ValueError, match=r"SamplingParams.bogus"):
+        SamplingParams(bogus=1)
+
+
+def test_stats_summary(llm, batched16):
+    s = llm.stats.summary()  # of the last generate() call
+    assert s["steps"] > 0 and s["generated_tokens"] > 0
+    assert set(s) >= {"prefill_tokens", "decode_tokens", "step_time_p50_s", "queue_wait_mean_s",
+                      "cache_hit_tokens", "preemptions", "generated_tokens_per_s"}
+    assert "tok/s" in llm.stats.summary_line()
