@@ -32,7 +32,9 @@ class EngineConfig:
     max_backtracking_tokens: int = 12      # positions the window state may be rolled back by
     # --- runner ---
     async_scheduling: bool = True
-    token_buckets: tuple[int, ...] | None = None  # padded step sizes; default powers of 2 >= 16
+    # padded step sizes; default: powers of 2 from 16 up to max_num_batched_tokens, or on CPU
+    # (where compiling dominates) the single size max_num_batched_tokens
+    token_buckets: tuple[int, ...] | None = None
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
     kernels: str = "auto"                  # "auto" | "reference" (kernels_pallas.ops backend)
@@ -43,8 +45,9 @@ class EngineConfig:
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
 
-    def resolve(self, cfg) -> "EngineConfig":
-        """Defaults that depend on the model, then the checks. Returns a new config."""
+    def resolve(self, cfg, platform: str | None = None) -> "EngineConfig":
+        """Defaults that depend on the model (and the platform: ``jax.default_backend()``), then
+        the checks. Returns a new config."""
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_tokens", "dp", "cp"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -78,6 +81,8 @@ class EngineConfig:
         if replay < 0:
             self._bad("prefix_replay_tokens", "must be >= 0")
         buckets = self.token_buckets
+        if buckets is None and platform == "cpu":
+            buckets = (self.max_num_batched_tokens,)
         if buckets is None:
             b, buckets = 16, []
             while b < self.max_num_batched_tokens:

@@ -266,3 +266,17 @@ def test_stats_summary(llm, batched16):
     assert set(s) >= {"prefill_tokens", "decode_tokens", "step_time_p50_s", "queue_wait_mean_s",
                       "cache_hit_tokens", "preemptions", "generated_tokens_per_s"}
     assert "tok/s" in llm.stats.summary_line()
+
+
+def test_cli_generate(model_dir, capsys):
+    from deepinfer_jax.entrypoints.cli import main
+
+    rc = main(["generate", "--model", model_dir, "--prompt", "the cat", "--prompt-ids", "5,6,7",
+               "--max-tokens", "3", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
+               "--token-buckets", "64", "--max-model-len", "320"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "prompt: 'the cat'" in out and "prompt: [5, 6, 7]" in out and "(length)" in out
+    assert "2 requests" in out and "tok/s" in out
+    assert main(["generate", "--model", "/nonexistent/dir"]) == 2
+    assert "model='/nonexistent/dir'" in capsys.readouterr().err

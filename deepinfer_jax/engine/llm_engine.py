@@ -76,10 +76,24 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
 
-    def abort_request(self, request_id: str) -> None:
-        for st in self._groups.get(request_id, []):
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish every sample of ``request_id`` with "abort" (their blocks and slots are freed;
+        results still in flight are dropped) and return its output, or None if unknown."""
+        if request_id not in self._groups:
+            return None
+        for st in self._groups[request_id]:
             if not st.request.status.finished:
+                self.outputs.finish_text(st, RequestStatus.FINISHED_ABORTED)
                 self.scheduler.finish(st.request, RequestStatus.FINISHED_ABORTED)
+        out = self._request_output(request_id)
+        self._forget([request_id])
+        return out
+
+    def _forget(self, parent_ids) -> None:
+        for g in parent_ids:
+            for s in self._groups.pop(g):
+                self._states.pop(s.request.request_id, None)
+            self._prompts.pop(g, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -93,13 +107,15 @@ class LLMEngine:
         if handle is not None:
             handle.host_time = time.perf_counter() - t0
         finished: list[RequestOutput] = []
+        progressed = handle is not None
         if self.ec.async_scheduling:
             prev, self._inflight = self._inflight, handle
             if prev is not None:
+                progressed = True  # its results may finish requests and free slots / blocks
                 finished += self._process(prev)
         elif handle is not None:
             finished += self._process(handle)
-        if handle is None and self._inflight is None and self.scheduler.has_unfinished():
+        if not progressed and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress with nothing in flight "
                                f"({len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running)")
         return finished
@@ -142,10 +158,7 @@ class LLMEngine:
             host_time_s=getattr(handle, "host_time", 0.0), cache_hit_tokens=sched.cache_hit_tokens,
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait)))
         out = [self._request_output(g) for g in done_groups]
-        for g in done_groups:
-            for s in self._groups.pop(g):
-                self._states.pop(s.request.request_id, None)
-            self._prompts.pop(g, None)
+        self._forget(done_groups)
         self.stats.finished_requests += len(done_groups)
         return out
 

@@ -1,95 +1,60 @@
-"""``deepinfer-jax`` command line: ``generate`` (greedy continuation of a token-id prompt) and
+"""``deepinfer-jax`` command line: ``generate`` (offline generation through ``LLM.generate``) and
 ``convert`` (safetensors -> Orbax).
 
-``--model`` takes a model directory (safetensors or Orbax) or a preset name. A preset has no
+``--model`` takes a model directory (safetensors or Orbax) or a preset name; a preset has no
 released weights here, so on first use a random-weight checkpoint of that preset is written to
-``$DEEPINFER_CACHE`` (default ``~/.cache/deepinfer_jax``) and reused afterwards. Until the
-engine lands (``LLM.generate``), ``generate`` drives the model directly, one sequence at a time.
+``$DEEPINFER_CACHE`` (default ``~/.cache/deepinfer_jax``) and reused afterwards
+(``models/registry.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
-import time
-from pathlib import Path
 
-DEFAULT_MODEL = "v41-tiny"
-DEFAULT_PROMPT = "0,17,42,99,7,128,64,33,200,5,71,19,88"
+from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
 
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer_jax"))
+DEFAULT_PROMPTS = ["the quick brown fox", "once upon a time there was", "a b c d e f g",
+                   "hello world , this is a test of the engine"]
 
 
-def resolve_model(model: str, seed: int = 0, progress: bool = True) -> str:
-    """A model directory for ``model``: an existing directory, or a preset's random checkpoint
-    (written on first use)."""
-    from deepinfer_jax.config import PRESETS, preset
-
-    if os.path.isdir(model):
-        return model
-    if model not in PRESETS:
-        raise ValueError(f"--model {model!r}: not a directory and not a preset (presets: {sorted(PRESETS)})")
-    out = cache_root() / f"{model}-random-seed{seed}"
-    if not (out / "config.json").exists():
-        from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
-
-        print(f"writing a random-weight {model} checkpoint to {out} (first use)", file=sys.stderr)
-        tmp = out.with_name(out.name + ".partial")
-        write_random_checkpoint(preset(model), tmp, seed=seed, progress=progress)
-        tmp.rename(out)
-    return str(out)
-
-
-def parse_ids(text: str, vocab: int) -> list[int]:
+def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
-    if not ids:
-        raise ValueError("--prompt-ids: the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"--prompt-ids: token ids {bad} outside the vocabulary [0, {vocab})")
     return ids
 
 
 def cmd_generate(args) -> int:
-    from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.models.cache import CacheConfig
-    from deepinfer_jax.models.engram_hash import EngramHasher
-    from deepinfer_jax.models.greedy import SequenceDriver
-    from deepinfer_jax.models.weights import load_model
+    from deepinfer_jax import LLM, SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    model_dir = resolve_model(args.model, seed=args.seed)
-    cfg = ModelConfig.from_json(model_dir)
-    prompt = parse_ids(args.prompt_ids, cfg.vocab_size)
-    t0 = time.perf_counter()
-    model = load_model(model_dir, cfg, progress=True)
-    tok = os.path.join(model_dir, "tokenizer.json")
-    hasher = None
-    if cfg.engram_enabled:
-        hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None)
-    block = 64
-    need = len(prompt) + args.max_new_tokens
-    cc = CacheConfig(num_slots=1, num_blocks=-(-need // block), block_tokens=block,
-                     max_blocks_per_seq=-(-need // block))
-    drv = SequenceDriver(model, cc, hasher)
-    t1 = time.perf_counter()
-    out = drv.generate_greedy(prompt, args.max_new_tokens, chunk=args.chunk)
-    t2 = time.perf_counter()
-    print(f"model:  {model_dir}")
-    print(f"prompt: {prompt}")
-    print(f"greedy: {out}")
-    if os.path.exists(tok):
-        from tokenizers import Tokenizer
-
-        print(f"text:   {Tokenizer.from_file(tok).decode(out, skip_special_tokens=False)!r}")
-    print(f"load {t1 - t0:.1f}s, generate {len(out)} tokens in {t2 - t1:.1f}s (includes compilation)")
+    prompts: list = list(args.prompt or []) + [parse_ids(t) for t in (args.prompt_ids or [])]
+    if not prompts:
+        prompts = DEFAULT_PROMPTS
+    prompts = prompts * args.repeat
+    engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  async_scheduling=not args.sync, yoco_truncation=args.yoco_truncation,
+                  enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
+                  precompile=not args.no_precompile)
+    if args.token_buckets:
+        engine["token_buckets"] = tuple(int(b) for b in args.token_buckets.split(","))
+    if args.max_model_len:
+        engine["max_model_len"] = args.max_model_len
+    llm = LLM(args.model, model_seed=args.model_seed, **engine)
+    sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    outs = llm.generate(prompts, sp, use_tqdm=True)
+    for o in outs:
+        shown = repr(o.prompt) if o.prompt is not None else o.prompt_token_ids
+        for c in o.outputs:
+            tag = f"[{o.request_id}.{c.index}]" if len(o.outputs) > 1 else f"[{o.request_id}]"
+            print(f"{tag} prompt: {shown}")
+            print(f"{' ' * len(tag)} output: {c.text!r}  tokens {c.token_ids}  ({c.finish_reason})")
+    print(f"model {llm.model_dir}; compile {llm.compile_time_s:.1f}s; " + llm.stats.summary_line())
+    if args.stats_json:
+        llm.stats.to_json(args.stats_json)
     return 0
 
 
@@ -99,12 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer-jax", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy continuation of a token-id prompt")
+    g = sub.add_parser("generate", help="generate continuations of prompts (LLM.generate)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"model dir or preset (default {DEFAULT_MODEL})")
-    g.add_argument("--prompt-ids", default=DEFAULT_PROMPT, help="comma-separated token ids")
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default: whole prompt)")
-    g.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    g.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    g.add_argument("--prompt-ids", action="append", help="a token-id prompt, comma-separated (repeatable)")
+    g.add_argument("--repeat", type=int, default=1, help="submit the prompt list this many times")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=128)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--token-buckets", default=None, help="comma-separated padded step sizes")
+    g.add_argument("--yoco-truncation", default="compact", choices=["off", "mask", "compact"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--sync", action="store_true", help="synchronous loop (async scheduling off)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    g.add_argument("--no-precompile", action="store_true", help="compile buckets on first use")
+    g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
+    g.add_argument("--stats-json", default=None, help="write per-step stats and the summary here")
     g.set_defaults(func=cmd_generate)
     convert_cmd.add_parser(sub)
     return p

@@ -36,7 +36,9 @@ class LLM:
         ec = EngineConfig.from_kwargs(**engine_config)
         self.model_dir = resolve_model(model, seed=model_seed, progress=progress)
         self.model_config = ModelConfig.from_json(self.model_dir)
-        self.engine_config = ec = ec.resolve(self.model_config)
+        import jax
+
+        self.engine_config = ec = ec.resolve(self.model_config, jax.default_backend())
         self.tokenizer = None
         if os.path.exists(os.path.join(self.model_dir, "tokenizer.json")):
             from deepinfer_jax.tokenizer.loader import load_tokenizer

@@ -274,6 +274,11 @@ class BlockPool:
         return -(-int(num_tokens) // self.block_tokens)
 
     # ----------------------------------------------------------------- lookup
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one lookup in the hit statistics (the scheduler calls this once per admission)."""
+        self.queries += max(int(num_tokens), 0)
+        self.hits += int(num_hit_blocks) * self.block_tokens
+
     def find_prefix(
         self, block_hashes: Sequence[int], num_tokens: int, record: bool = False
     ) -> list[int]:
@@ -296,8 +301,7 @@ class BlockPool:
                     break
                 hit_blocks.append(b)
         if record:
-            self.queries += max(int(num_tokens), 0)
-            self.hits += len(hit_blocks) * self.block_tokens
+            self.record_lookup(num_tokens, len(hit_blocks))
         return hit_blocks
 
     # ------------------------------------------------------------- allocation

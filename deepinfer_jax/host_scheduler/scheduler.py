@@ -27,8 +27,10 @@ changes nothing when ``yoco_keep_tokens >= (n_decoder_layers-1)*(W-1)+W`` (2414 
 V4.1-Flash: 19 decoder layers, W=128); below that it is an approximation.
 
 Blocks are handed to the prefix cache once every position in them is scheduled and their
-tokens are known (device steps run in dispatch order, so a later step never reads a block
-before the step writing it).
+tokens are known. Device steps run in dispatch order, so a later step never reads a block before
+the step writing it; a request admitted later in the *same* step may also hit it, which is
+correct because every layer writes the step's compressed entries before it reads any (the
+kernels must keep that order).
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class Scheduler:
         n_known = req.num_tokens
         hit_blocks = []
         if self.ec.enable_prefix_caching and req.params.prompt_logprobs is None:
-            hit_blocks = self.pool.find_prefix(req.block_hashes, n_known, record=True)
+            hit_blocks = self.pool.find_prefix(req.block_hashes, n_known)
         cached = len(hit_blocks) * bt
         start = 0
         if cached:
@@ -233,6 +235,7 @@ class Scheduler:
         blocks = self.pool.allocate(req.request_id, hit_blocks, max(need, 0))
         if blocks is None:
             return None
+        self.pool.record_lookup(n_known, len(hit_blocks))  # admitted: count it once
         req.slot = self.slots.allocate(req.request_id)
         req.blocks = list(blocks)
         req.num_registered_blocks = len(hit_blocks)
@@ -260,9 +263,12 @@ class Scheduler:
             req.num_pending += 1
             req.last_sample = (step, row_index)
             if req.num_outputs_planned - 1 < req.params.min_tokens:
-                banned = ([req.eos_token_id] if req.eos_token_id is not None else []) + list(req.params.stop_token_ids)
+                eos = req.eos_token_id is not None and not req.params.ignore_eos  # as min_tokens_banned_ids
+                banned = ([req.eos_token_id] if eos else []) + list(req.params.stop_token_ids)
         n_prompt = len(req.prompt_token_ids)
-        want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1 and req.epoch == 0
+        # also after a preemption: the results of rows of the older epoch are dropped, so the
+        # recomputed prompt chunks must deliver their prompt logprobs again
+        want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1
         self._register_blocks(req)
         return ScheduledRow(
             request=req, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row, sample=sample,

@@ -1,22 +1,20 @@
-"""Sampling: per-request ``SamplingParams`` (vLLM-compatible) and the jitted on-device sampler."""
+"""Sampling: per-request ``SamplingParams`` (vLLM-compatible, ``params.py``, no JAX) and the
+jitted on-device sampler (``sampler.py``). Names are imported lazily so that the host side can
+use ``SamplingParams`` without importing JAX."""
 
-from deepinfer_jax.sampling.params import SamplingParams, sampling_params_from_dict
-from deepinfer_jax.sampling.sampler import (
-    SampleRow,
-    SamplerOutput,
-    SamplingBatch,
-    build_sampling_batch,
-    min_tokens_banned_ids,
-    sample,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SampleRow",
-    "SamplerOutput",
-    "SamplingBatch",
-    "SamplingParams",
-    "build_sampling_batch",
-    "min_tokens_banned_ids",
-    "sample",
-    "sampling_params_from_dict",
-]
+import importlib
+
+_EXPORTS = {
+    "SamplingParams": "params", "sampling_params_from_dict": "params",
+    "SampleRow": "sampler", "SamplerOutput": "sampler", "SamplingBatch": "sampler",
+    "build_sampling_batch": "sampler", "min_tokens_banned_ids": "sampler", "sample": "sampler",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"deepinfer_jax.sampling.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'deepinfer_jax.sampling' has no attribute {name!r}")

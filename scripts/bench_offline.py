@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Offline throughput of ``LLM.generate`` on a synthetic workload, async vs sync scheduling.
+
+Builds one engine (weights, cache, compiled buckets), runs an untimed warm-up generate, then the
+same workload once per scheduling mode on the same runner, and prints a table with each mode's
+throughput and step-time statistics and its ratio to the synchronous loop measured in this run.
+Writes the table, the engine config, the device and per-step stats to JSON.
+
+    python scripts/bench_offline.py                       # v41-tiny random weights, this machine
+    python scripts/bench_offline.py --num-prompts 128 --input-len 256 --output-len 64 \\
+        --engine '{"max_num_batched_tokens": 512}' --out benchmarks/results/offline_gpu.json
+
+Random weights: the tokens are meaningless, the work per token is the real model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def workload(n: int, input_len: int, output_len: int, spread: float, shared_prefix: int, vocab: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, vocab, size=shared_prefix).tolist()
+    lo, hi = max(1, int(input_len * (1 - spread))), max(1, int(input_len * (1 + spread)))
+    prompts = [shared + rng.integers(3, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+    return prompts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="v41-tiny")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--input-spread", type=float, default=0.5, help="prompt lengths uniform in len*(1±spread)")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix shared by every prompt")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--engine", default="{}", help="JSON of EngineConfig fields")
+    ap.add_argument("--modes", default="async,sync")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline_<platform>.json)")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from deepinfer_jax import LLM, SamplingParams
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+
+    engine_kw = dict(max_num_seqs=32, max_num_batched_tokens=256)
+    engine_kw.update(json.loads(args.engine))
+    t0 = time.perf_counter()
+    llm = LLM(args.model, progress=False, **engine_kw)
+    init_s = time.perf_counter() - t0
+    ec = llm.engine_config
+    prompts = workload(args.num_prompts, args.input_len, args.output_len, args.input_spread, args.shared_prefix,
+                       llm.model_config.vocab_size, args.seed)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed)
+    llm.generate(prompts[: min(4, len(prompts))], sp, use_tqdm=False)  # warm-up (untimed)
+
+    rows, per_mode = [], {}
+    for mode in args.modes.split(","):
+        llm.engine = LLMEngine(llm.runner, dataclasses.replace(ec, async_scheduling=(mode == "async")),
+                               llm.tokenizer, llm.model_config.eos_token_id)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        s = llm.stats.summary()
+        s["mode"] = mode
+        s["output_tokens_check"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append(s)
+        per_mode[mode] = {"summary": s, "steps": [dataclasses.asdict(x) for x in llm.stats.steps]}
+    base = next((r for r in rows if r["mode"] == "sync"), rows[0])
+    hdr = f"{'mode':6} {'gen tok/s':>10} {'tok/s':>9} {'vs sync':>8} {'steps':>6} {'step p50 ms':>12} " \
+          f"{'step p90 ms':>12} {'host ms/step':>13} {'wall s':>7} {'pad %':>6}"
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), model {llm.model_dir}")
+    print(f"workload: {args.num_prompts} prompts x ~{args.input_len} tokens (+{args.shared_prefix} shared), "
+          f"{args.output_len} output tokens; buckets {ec.token_buckets}, max_num_seqs {ec.max_num_seqs}; "
+          f"init+compile {init_s:.1f}s")
+    print(hdr)
+    for r in rows:
+        print(f"{r['mode']:6} {r['generated_tokens_per_s']:10.1f} {r['total_tokens_per_s']:9.1f} "
+              f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:8.2f} {r['steps']:6d} "
+              f"{1e3 * r['step_time_p50_s']:12.2f} {1e3 * r['step_time_p90_s']:12.2f} "
+              f"{1e3 * r['host_time_mean_s']:13.2f} {r['wall_time_s']:7.2f} {100 * r['padding_fraction']:6.1f}")
+    out = args.out or os.path.join("benchmarks", "results", f"offline_{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+            "jax": jax.__version__, "model": llm.model_dir, "args": vars(args),
+            "engine_config": {k: v for k, v in dataclasses.asdict(ec).items()},
+            "init_and_compile_s": init_s, "compile_s": llm.compile_time_s,
+            "table": rows, "per_mode": per_mode,
+        }, f, indent=1, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
