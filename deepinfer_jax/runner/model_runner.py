@@ -32,9 +32,8 @@ from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_b
 from deepinfer_jax.sampling.sampler import sample
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_logprobs", "prompt_lp"), donate_argnames=("cache",))
-def _run_step(graphdef, state, cache, inp: StepInput, prev_sampled_R, engram_tables, *, num_logprobs: int,
-              prompt_lp: bool):
+def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
+               num_logprobs: int, prompt_lp: bool):
     b = inp.batch
     is_ph = inp.prev_row >= 0
     tok = jnp.where(is_ph, prev_sampled_R[jnp.maximum(inp.prev_row, 0)], b.token_ids)
@@ -43,7 +42,7 @@ def _run_step(graphdef, state, cache, inp: StepInput, prev_sampled_R, engram_tab
         dev = device_hash(engram_tables, tok, inp.engram_partials)
         eids = jnp.where(is_ph[:, None, None], dev, eids)
     b = dataclasses.replace(b, token_ids=tok, engram_ids=eids)
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
     out = sample(logits[:R], inp.sampling, num_logprobs)
@@ -54,6 +53,23 @@ def _run_step(graphdef, state, cache, inp: StepInput, prev_sampled_R, engram_tab
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
         plp = (tgt, top_ids.astype(jnp.int32), top_lp)
     return cache, out, plp
+
+
+_STEP_FNS: dict = {}
+
+
+def step_function(graphdef, state_treedef):
+    """The jitted step of one model structure. The graphdef and the state's tree structure are
+    closed over (hashed once here, not at every call) and the weights travel as a flat list of
+    arrays: per-call dispatch cost stays independent of the model's module tree. Runners of
+    equal models share the function and so its compiled buckets."""
+    key = (graphdef, state_treedef)
+    fn = _STEP_FNS.get(key)
+    if fn is None:
+        fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
+                     static_argnames=("num_logprobs", "prompt_lp"), donate_argnames=("cache",))
+        _STEP_FNS[key] = fn
+    return fn
 
 
 @dataclasses.dataclass
@@ -95,7 +111,9 @@ class ModelRunner:
         self.cfg = cfg or ModelConfig.from_json(model_dir)
         ops.set_backend(ec.kernels)
         model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        self.state_leaves, state_treedef = jax.tree.flatten(state)
+        self._step = step_function(self.graphdef, state_treedef)
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq)
         self.cache = allocate_cache(self.cfg, self.cache_config)
@@ -134,8 +152,8 @@ class ModelRunner:
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=prompt_lp)
         t0 = time.perf_counter()
-        self.cache, out, plp = _run_step(self.graphdef, self.state, self.cache, inp, self.prev_sampled,
-                                         self.engram_tables, num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
+        self.cache, out, plp = self._step(self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
+                                          num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
         self.prev_sampled = out.token_ids
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         h = StepHandle(sched, out, plp, offsets, t0)
@@ -153,7 +171,10 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
-        for T, Td in tqdm(self.variants(), desc="compiling steps", disable=not progress):
+        variants = self.variants()
+        # the first call sees freshly created (uncommitted) cache arrays, later ones the step's
+        # own outputs: a different jit cache key, so the first variant runs twice
+        for T, Td in tqdm(variants[:1] + variants, desc="compiling steps", disable=not progress):
             h = self._dispatch(empty, T, Td)
             h.fetch()
         return time.perf_counter() - t0
