@@ -35,6 +35,9 @@ class EngineConfig:
     # padded step sizes; default: powers of 2 from 16 up to max_num_batched_tokens, or on CPU
     # (where compiling dominates) the single size max_num_batched_tokens
     token_buckets: tuple[int, ...] | None = None
+    # padded request counts per step (sampler rows); default: max_num_seqs alone. More sizes cut
+    # the sampler's per-row work for small batches at the price of more compiled variants
+    row_buckets: tuple[int, ...] | None = None
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
     kernels: str = "auto"                  # "auto" | "reference" (kernels_pallas.ops backend)
@@ -97,8 +100,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             self._bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} "
                                                 "(every running request decodes one token per step)")
+        rows = tuple(sorted(set(int(b) for b in (self.row_buckets or (self.max_num_seqs,)))))
+        if rows[0] < 1 or rows[-1] != self.max_num_seqs:
+            self._bad("row_buckets", f"sizes must be >= 1 and the largest must be max_num_seqs={self.max_num_seqs}")
         return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks,
-                                   prefix_replay_tokens=replay, token_buckets=buckets)
+                                   prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows)
 
     @property
     def blocks_per_seq(self) -> int:

@@ -74,6 +74,14 @@ def test_sync_equals_async(model_dir, prompts16, batched16):
     assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
 
 
+def test_row_buckets(model_dir, prompts16, batched16):
+    """Steps padded to 4 rows (few requests) or 16: same tokens; placeholders cross sizes."""
+    llm4 = LLM(model_dir, row_buckets=(4, 16), **BASE)
+    few = llm4.generate(prompts16[:3], GREEDY, use_tqdm=False)
+    assert tokens(few) == tokens(batched16[:3])
+    assert tokens(llm4.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
+
+
 def test_preemption_keeps_outputs(model_dir, prompts16, batched16):
     small = LLM(model_dir, num_blocks=8, **BASE)  # 8 blocks of 64 positions for 16 requests
     outs = small.generate(prompts16, GREEDY, use_tqdm=False)

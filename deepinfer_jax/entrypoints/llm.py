@@ -13,6 +13,7 @@ Every prompt and its sampling parameters are checked before any device work; a b
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Sequence
@@ -143,5 +144,6 @@ class LLM:
             done = self.engine.run_until_done(on_finish=lambda o: bar.update(1))
         finally:
             bar.close()
+        logging.getLogger("deepinfer_jax").info(self.engine.stats.summary_line())
         by_id = {o.request_id: o for o in done}
         return [by_id[r] for r in ids]

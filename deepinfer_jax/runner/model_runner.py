@@ -5,8 +5,8 @@ forward + on-device sampling) and returns at once with a ``StepHandle``; ``handl
 waits for the results. The cache is donated to each step and the sampled ids of the last step
 stay on the device, where the next step reads its placeholders from them.
 
-Compiled variants: one per (token bucket, decoder-token bucket in compact truncation, with or
-without prompt logprobs). ``warmup()`` compiles every variant without prompt logprobs by
+Compiled variants: one per (token bucket, row bucket, decoder-token bucket in compact
+truncation, with or without prompt logprobs). ``warmup()`` compiles every variant without prompt logprobs by
 running padding-only steps (their cache writes are dropped).
 """
 
@@ -46,13 +46,15 @@ def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
     out = sample(logits[:R], inp.sampling, num_logprobs)
+    # the next step's placeholders index this step's rows: keep a fixed-size copy
+    sampled_full = jnp.zeros_like(prev_sampled_R).at[:R].set(out.token_ids)
     plp = None
     if prompt_lp:
         lp = jax.nn.log_softmax(logits[R:], axis=-1)
         tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
         plp = (tgt, top_ids.astype(jnp.int32), top_lp)
-    return cache, out, plp
+    return cache, out, plp, sampled_full
 
 
 _STEP_FNS: dict = {}
@@ -131,30 +133,35 @@ class ModelRunner:
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
 
     # ------------------------------------------------------------------ buckets
-    def buckets_of(self, sched) -> tuple[int, int | None]:
+    def buckets_of(self, sched) -> tuple[int, int, int | None]:
+        """(tokens T, rows R, decoder tokens T' or None) of the step's padded shape."""
         T = pick_bucket(sched.num_tokens, self.ec.token_buckets)
+        R = pick_bucket(max(len(sched.rows), 1), self.ec.row_buckets)
         Td = pick_bucket(max(sched.num_decoder_tokens, 1), self.ec.token_buckets) if self.compact else None
-        return T, (min(Td, T) if Td is not None else None)
+        return T, R, (min(Td, T) if Td is not None else None)
 
-    def variants(self) -> list[tuple[int, int | None]]:
+    def variants(self) -> list[tuple[int, int, int | None]]:
         out = []
         for T in self.ec.token_buckets:
-            if self.compact:
-                out += [(T, Td) for Td in self.ec.token_buckets if Td <= T]
-            else:
-                out.append((T, None))
+            for R in self.ec.row_buckets:
+                if R > T:
+                    continue
+                if self.compact:
+                    out += [(T, R, Td) for Td in self.ec.token_buckets if Td <= T]
+                else:
+                    out.append((T, R, None))
         return out
 
     # ------------------------------------------------------------------ steps
-    def _dispatch(self, sched, T: int, Td: int | None):
+    def _dispatch(self, sched, T: int, R: int, Td: int | None):
         prompt_lp = sched.wants_prompt_logprobs
-        inp = build_step_input(sched, num_tokens=T, num_rows=self.num_rows, num_decoder_tokens=Td,
+        inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=prompt_lp)
         t0 = time.perf_counter()
-        self.cache, out, plp = self._step(self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
-                                          num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
-        self.prev_sampled = out.token_ids
+        self.cache, out, plp, self.prev_sampled = self._step(
+            self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
+            num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         h = StepHandle(sched, out, plp, offsets, t0)
         h.bucket_tokens = T
@@ -162,8 +169,7 @@ class ModelRunner:
 
     def execute(self, sched) -> StepHandle:
         """Dispatch one step without waiting for it."""
-        T, Td = self.buckets_of(sched)
-        return self._dispatch(sched, T, Td)
+        return self._dispatch(sched, *self.buckets_of(sched))
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket variant (prompt logprobs excluded); returns seconds spent."""
@@ -174,7 +180,7 @@ class ModelRunner:
         variants = self.variants()
         # the first call sees freshly created (uncommitted) cache arrays, later ones the step's
         # own outputs: a different jit cache key, so the first variant runs twice
-        for T, Td in tqdm(variants[:1] + variants, desc="compiling steps", disable=not progress):
-            h = self._dispatch(empty, T, Td)
+        for v in tqdm(variants[:1] + variants, desc="compiling steps", disable=not progress):
+            h = self._dispatch(empty, *v)
             h.fetch()
         return time.perf_counter() - t0
