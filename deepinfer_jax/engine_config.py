@@ -40,7 +40,7 @@ class EngineConfig:
     row_buckets: tuple[int, ...] | None = None
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
-    kernels: str = "auto"                  # "auto" | "reference" (kernels_pallas.ops backend)
+    kernels: str | None = None             # "auto" | "reference"; None: $DEEPINFER_KERNELS or "auto"
     dp: int = 1
     cp: int = 1
     precompile: bool = True                # compile every bucket at start-up
@@ -57,7 +57,7 @@ class EngineConfig:
                 self._bad(f, "must be an integer >= 1")
         if self.yoco_truncation not in YOCO_MODES:
             self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
-        if self.kernels not in ("auto", "reference"):
+        if self.kernels not in (None, "auto", "reference"):
             self._bad("kernels", "expected 'auto' or 'reference'")
         if self.max_logprobs < 0:
             self._bad("max_logprobs", "must be >= 0")

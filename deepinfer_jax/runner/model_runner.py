@@ -111,7 +111,8 @@ class ModelRunner:
 
         self.ec = ec
         self.cfg = cfg or ModelConfig.from_json(model_dir)
-        ops.set_backend(ec.kernels)
+        if ec.kernels is not None:
+            ops.set_backend(ec.kernels)
         model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
