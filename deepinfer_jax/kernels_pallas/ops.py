@@ -8,13 +8,33 @@ Until a kernel is registered for an op, every platform runs the reference.
 
 from __future__ import annotations
 
+import importlib
 import os
+import warnings
 from typing import Callable
 
 from deepinfer_jax.kernels_pallas import indexer_topk_ref, moe_gmm_ref, sparse_attention_ref
 
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
+# Kernel modules imported on first use on their platform; each registers its ops on import.
+_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
+    "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
+            "deepinfer_jax.kernels_pallas.moe_gmm"),
+}
+_LOADED: set[str] = set()
+
+
+def _load_kernels(platform: str) -> None:
+    if platform in _LOADED:
+        return
+    _LOADED.add(platform)
+    for mod in _KERNEL_MODULES.get(platform, ()):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # a broken kernel module must not take the reference path down
+            warnings.warn(f"kernel module {mod} not loaded ({type(e).__name__}: {e}); "
+                          "using the references", RuntimeWarning, stacklevel=3)
 
 
 def set_backend(name: str) -> None:
@@ -34,7 +54,9 @@ def _pick(op: str, ref: Callable) -> Callable:
         return ref
     import jax
 
-    return _KERNELS.get((op, jax.default_backend()), ref)
+    platform = jax.default_backend()
+    _load_kernels(platform)
+    return _KERNELS.get((op, platform), ref)
 
 
 def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = True):
@@ -44,6 +66,12 @@ def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = Tru
 
 def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T):
     return _pick("indexer_scores", indexer_topk_ref.indexer_scores_ref)(q_TIJ, k_TNJ, w_TI, n_visible_T)
+
+
+def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T):
+    """``indexer_scores`` with keys ``pool_PJ[entry_RN[token_row_T[t]]]`` read in place (no gather copy)."""
+    return _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)(q_TIJ, pool_PJ, entry_RN, token_row_T,
+                                                                                  w_TI, n_visible_T)
 
 
 def candidate_blocks(score_TN, n_visible_T, topk_blocks: int, block: int):

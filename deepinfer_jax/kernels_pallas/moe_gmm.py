@@ -1,0 +1,537 @@
+"""Routed-expert grouped matmul (DeepGEMM-like) as Pallas Mosaic GPU kernels, Hopper (SM90).
+
+Op semantics: ``moe_gmm_ref.py`` (``moe_experts_ref``); this file computes the same function.
+
+Layout. Rows (routed tokens) are sorted by expert and each expert's run is padded up to a
+multiple of ``block_m`` (``tiling.aligned_layout``), in the same gather that sorts them, so that
+every row tile belongs to one expert: the kernel needs no row masks and stores whole tiles with
+TMA. Padding rows are zeros and their outputs are never read back. A tile whose
+``tile_group`` is ``-1`` (past the last expert) is skipped.
+
+Kernel (one warpgroup per CTA, persistent over the SMs like the ``ragged_dot_mgpu`` example):
+for each (row tile, column tile) the CTA runs a TMA pipeline over K (``stages`` deep) that
+brings in the activation tile ``x[bm, bk]`` (bf16) and the weight tile in its *storage* format:
+
+* ``bf16``: ``w[bn, bk]`` goes straight to ``wgmma`` as the transposed B operand;
+* ``fp8``: ``w[bn, bk]`` e4m3 bytes plus the ue8m0 exponents ``s[bk/32, bn]``; the warpgroup
+  loads the bytes from shared memory, widens them (e4m3 -> f16 -> f32, exact), multiplies by
+  ``2^(s-127)`` per 32 inputs (exact), rounds to bf16 (exact) and writes the bf16 tile to a
+  double-buffered shared scratch that ``wgmma`` reads;
+* ``fp4``: ``w[bn, bk/2]`` packed e2m1 bytes plus ``s[bk/32, bn]``; low and high nibbles are
+  decoded with integer ops (Hopper has no e2m1 conversion instruction) into two bf16 tiles
+  (even and odd inputs). The activations were de-interleaved by the wrapper into
+  ``[x[:, 0::2] | x[:, 1::2]]``, so the two halves are two ordinary ``wgmma``s into one
+  accumulator: no nibble shuffling in registers.
+
+Only the weight bytes and the (small) scales travel from HBM; dequantization costs shared-memory
+and ALU work (done 64 weight rows at a time, overlapping the previous step's async ``wgmma``),
+which at decode (few rows per expert, bandwidth-bound) should hide behind the TMA stream; that
+is the design intent, not yet a measurement. Accumulation is fp32 in registers (``wgmma``).
+Dequantized weights go through shared memory rather than being fed to ``wgmma`` as a register
+A operand (as ``hopper_mixed_type_matmul_mgpu`` does) because Pallas' GPU interpret mode only
+models shared-memory operands, and the tokens are the MMA's M side (one output layout for both
+regimes); a swapped (weights-as-M, tokens-as-N) decode variant is a possible next step.
+
+``moe_experts`` = route/sort/pad (jnp) -> fused gate+up kernel (two accumulators, the clamped
+SwiGLU and the routing weight in the epilogue, bf16 out) -> fp8 activation QDQ of ``h`` in jnp
+(for fp8/fp4 experts; not fused: it needs a 32-wide amax per row, see ``_qdq_h``) -> down
+kernel -> gather back to ``[T, X, D]``.
+
+Scales are re-laid out by the wrapper to ``[E, K/32, O]`` (uint8; fp8 block scales repeated
+over their 32 output rows) so that one TMA box brings the exponents of a weight tile with the
+output index minor. That is 1/32 (fp8) or 1/16 (fp4) of the weight bytes and is done per call;
+in a serving loop it belongs at weight-load time (``prepare_scales``).
+
+Everything here also runs on CPU in Pallas' GPU interpret mode (``interpret=True``), which
+simulates shared memory, TMA, barriers and ``wgmma`` with numpy; it models ``wgmma`` as
+synchronous, so the async hazards are covered only by the ``wgmma_wait`` discipline below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from deepinfer_jax.kernels_pallas import tiling
+from deepinfer_jax.kernels_pallas.tiling import GmmTiling
+from deepinfer_jax.layers import quant
+
+try:  # Mosaic GPU ships with jax; keep the module importable anywhere (the ops hook imports us)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _HAVE_MGPU = True
+except Exception:  # pragma: no cover - CPU-only builds without the GPU Pallas backend
+    pl = plgpu = None
+    _HAVE_MGPU = False
+
+QBLOCK = 32  # quantization block along the contraction dim (fp8: 32x32, fp4: 1x32)
+FORMATS = ("bf16", "fp8", "fp4")
+
+# ----------------------------------------------------------------------------- Hopper tiling
+HOPPER_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on SM90 (228 KB per SM)
+HOPPER_NUM_SMS = 132  # H100/H200 SXM
+HOPPER_MMA_M = 64  # wgmma: m64 per warpgroup, n in 8..256 (multiple of 8), k = 32 bytes
+
+
+def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, fused: bool,
+                  num_sms: int = HOPPER_NUM_SMS) -> GmmTiling:
+    """Block sizes for one grouped matmul on Hopper (SM90).
+
+    * ``block_m`` (rows per tile, and the group alignment): 64 when experts get <= 64 rows on
+      average (decode: ``M/E`` small, the kernel is bound by streaming each weight once, and a
+      64-row tile, one ``wgmma`` m64, wastes the least tensor-core work on padding rows); 128
+      above (prefill: each weight tile is re-read ``M / block_m`` times, so taller tiles halve
+      that traffic and keep the tensor cores fed).
+    * ``block_n``: 128 or 64 output columns (``wgmma`` n128/n64), limited by the accumulator
+      registers: one warpgroup holds ``block_m * block_n * n_acc / 128`` fp32 per thread (255
+      registers max; we allow 128, the fused gate+up kernel has two accumulators). Among the
+      sizes that fit, the largest whose (row tile x column tile) items fill the SMs' waves to
+      >= 80% (decode has few row tiles, so 64 is often picked there to use all 132 SMs).
+    * ``block_k``: one 128-byte swizzle atom of bf16 (64, i.e. four ``wgmma`` m64nNk16 steps)
+      for bf16 and fp8; 128 for fp4 so
+      that each nibble half (even / odd inputs) is again 64 wide. Multiples of the 32-wide
+      quantization block, so a K step never splits a scale.
+    * ``stages``: as deep as fits in 227 KB of shared memory after the fixed buffers (dequant
+      scratch, epilogue tile), capped at 6: at decode each stage is a weight tile in flight,
+      and streaming at full bandwidth needs tens of KB in flight per SM (~1 us x ~30 GB/s).
+    * ``grid_tile_width``: at prefill the persistent CTAs sweep column tiles in groups of 8 so
+      that a wave of CTAs shares few activation and weight tiles in L2; at decode the order is
+      row-major (all columns of a row tile, the live tiles first) so live work is dealt evenly.
+
+    An SM100 (Blackwell) variant would use ``tcgen05`` (128-row MMA, accumulators in TMEM,
+    native e2m1/e4m3 operands with ue8m0 block scales) and different numbers here; the
+    generation-independent parts are in ``tiling.py``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r}: expected one of {FORMATS}")
+    bm = tiling.pick_block_m(m_rows, n_groups, HOPPER_MMA_M, (64, 128))
+    n_acc = 2 if fused else 1
+    bn_cands = tuple(c for c in (128, 64) if bm * c * n_acc <= 128 * 128) or (64,)
+    row_tiles = tiling.expected_active_tiles(m_rows, n_groups, bm)
+    bn = tiling.pick_block_n(n_out, bn_cands, row_tiles, num_sms)
+    bk = tiling.pick_block(k_in, (128,) if fmt == "fp4" else (64,))
+    stage = bm * bk * 2  # activation tile (bf16)
+    fixed = bm * bn * 2  # epilogue tile (bf16)
+    for _ in range(n_acc):
+        if fmt == "bf16":
+            stage += bn * bk * 2
+        else:
+            stage += bn * (bk if fmt == "fp8" else bk // 2) + (bk // QBLOCK) * bn
+            fixed += 2 * bn * bk * 2  # double-buffered bf16 dequant scratch
+    if fused:
+        fixed += bm * 4  # routing weights
+    stages = tiling.pick_stages(stage, fixed + 4096, HOPPER_SMEM_BYTES, lo=2, hi=6)
+    decode = bm == HOPPER_MMA_M
+    width = n_out // bn if decode else min(8, n_out // bn)
+    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=width)
+
+
+# ----------------------------------------------------------------------------- dequant helpers
+def prepare_scales(scale: jax.Array | None, fmt: str, n_out: int) -> jax.Array | None:
+    """Storage scales -> ``[E, K/32, O]`` uint8 exponents, output index minor (one TMA box per
+    weight tile). fp8 32x32 block scales are repeated over their 32 output rows."""
+    if fmt == "bf16":
+        return None
+    s = scale.astype(jnp.uint8)
+    if fmt == "fp8":  # [E, ceil(O/32), K/32] -> [E, O, K/32]
+        s = jnp.repeat(s, QBLOCK, axis=1)[:, :n_out]
+    return jnp.swapaxes(s, 1, 2)
+
+
+def _e8m0_to_f32(s_u8: jax.Array) -> jax.Array:
+    """ue8m0 exponent bytes -> fp32 ``2^(e-127)`` (integer shift into the exponent field)."""
+    return lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _fp4_codes_to_f32(code: jax.Array) -> jax.Array:
+    """4-bit e2m1 codes (int32, bit 3 = sign) -> fp32, with integer ops only.
+
+    A magnitude code ``m = e1 e0 m0`` shifted left by 22 lands its exponent bits and its
+    mantissa bit in fp32's exponent/mantissa fields; adding 126 to the exponent gives
+    ``2^(e-1) * (1 + m0/2)``, the e2m1 value, for the normal codes (``m >= 2``). The two
+    subnormal codes (0 and 0.5) are ``m / 2``.
+    """
+    mag = code & 7
+    normal = lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
+    sub = mag.astype(jnp.float32) * 0.5
+    v = jnp.where(mag >= 2, normal, sub)
+    return jnp.where(code >= 8, -v, v)
+
+
+def _dequant_fp8(q: jax.Array, s_ref, bk: int) -> jax.Array:
+    """e4m3 ``[bn, bk]`` (registers) with exponents ``s_ref[bk/32, bn]`` -> bf16 ``[bn, bk]``."""
+    parts = []
+    for j in range(bk // QBLOCK):
+        scale = _e8m0_to_f32(s_ref[j, :])  # [bn]: one scale per output row for these 32 inputs
+        v = q[:, j * QBLOCK:(j + 1) * QBLOCK].astype(jnp.float32) * scale[:, None]
+        parts.append(v.astype(jnp.bfloat16))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _dequant_fp4(p: jax.Array, s_ref, bk: int) -> tuple[jax.Array, jax.Array]:
+    """Packed e2m1 ``[bn, bk/2]`` (uint8 registers) with ``s_ref[bk/32, bn]`` -> bf16 ``(even,
+    odd)``, each ``[bn, bk/2]``: column ``j`` of ``even``/``odd`` is input ``2j``/``2j+1``."""
+    half = QBLOCK // 2  # 16 bytes of a row share one scale
+    lo_parts, hi_parts = [], []
+    for j in range(bk // QBLOCK):
+        scale = _e8m0_to_f32(s_ref[j, :])[:, None]
+        b = p[:, j * half:(j + 1) * half].astype(jnp.int32)
+        lo_parts.append((_fp4_codes_to_f32(b & 15) * scale).astype(jnp.bfloat16))
+        hi_parts.append((_fp4_codes_to_f32(lax.shift_right_logical(b, 4) & 15) * scale).astype(jnp.bfloat16))
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+    return cat(lo_parts), cat(hi_parts)
+
+
+# ----------------------------------------------------------------------------- Hopper kernel
+def _num_sms(interpret: bool) -> int:
+    if interpret:
+        return 2
+    try:
+        return int(jax.devices()[0].core_count)
+    except Exception:
+        return HOPPER_NUM_SMS
+
+
+def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Array, jax.Array | None]],
+                route_w: jax.Array | None, *, fmt: str, n_out: int, k_in: int, cfg: GmmTiling,
+                swiglu_limit: float, interpret: bool) -> jax.Array:
+    """One launch. ``x``: ``[Mp, K]`` bf16 in the aligned layout (fp4: de-interleaved);
+    ``weights``: one ``(values [E, O, K or K/2], scales [E, K/32, O] or None)`` for a plain
+    matmul, two (w1, w3) for the fused gate+up (``route_w [Mp]`` f32 then required).
+    Returns bf16 ``[Mp, n_out]``."""
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    fused = len(weights) == 2
+    n_tiles = tile_group.shape[0]
+    mp = x.shape[0]
+    assert mp == n_tiles * bm, (mp, n_tiles, bm)
+    if n_out % bn or k_in % bk or bk % QBLOCK:
+        raise ValueError(f"O={n_out}, K={k_in} must be multiples of block_n={bn}, block_k={bk} (and 32)")
+    if bm % HOPPER_MMA_M or bn % 8 or (fmt != "bf16" and bn % HOPPER_MMA_M):
+        raise ValueError(f"block_m={bm} must be a multiple of 64, block_n={bn} of 8 (64 for {fmt})")
+    nk = k_in // bk
+    nn = n_out // bn
+    kx = bk // 2 if fmt == "fp4" else bk  # activation columns per wgmma operand
+    wk = bk // 2 if fmt == "fp4" else bk  # weight-storage columns per step
+    n_w = len(weights)
+
+    # ---- pipeline specs: x (one or two halves), then per weight: values (+ scales)
+    def specs(mi, ni):
+        out = [plgpu.BlockSpec((bm, kx), lambda k: (mi, k), delay_release=1)]
+        if fmt == "fp4":
+            out.append(plgpu.BlockSpec((bm, kx), lambda k: (mi, k + nk), delay_release=1))
+        for _ in range(n_w):
+            if fmt == "bf16":
+                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k), delay_release=1))
+            else:
+                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k)))
+                out.append(plgpu.BlockSpec((bk // QBLOCK, bn), lambda k: (k, ni)))
+        return out
+
+    n_xin = 2 if fmt == "fp4" else 1
+    n_deq = (2 if fmt == "fp4" else 1) * n_w if fmt != "bf16" else 0
+    wgmmas_per_step = n_w * n_xin
+
+    def kernel(*refs):
+        tg_gmem, x_gmem = refs[0], refs[1]
+        pos = 2
+        w_gmems = []
+        for _ in range(n_w):
+            if fmt == "bf16":
+                w_gmems.append((refs[pos], None))
+                pos += 1
+            else:
+                w_gmems.append((refs[pos], refs[pos + 1]))
+                pos += 2
+        rw_gmem = None
+        if fused:
+            rw_gmem = refs[pos]
+            pos += 1
+        o_gmem = refs[pos]
+
+        @plgpu.nd_loop((n_tiles * nn,), collective_axes="sm")
+        def _tile_loop(loop_info):
+            lin = loop_info.index[0]
+            if cfg.grid_tile_width >= nn:  # row-major: the live row tiles (first) are dealt evenly
+                mi, ni = lax.div(lin, jnp.int32(nn)), lax.rem(lin, jnp.int32(nn))
+            else:  # sweep column tiles in groups for L2 reuse
+                mi, ni = plgpu.planar_snake(lin, (n_tiles, nn), 1, cfg.grid_tile_width)
+            g = tg_gmem[mi]
+
+            @pl.when(g >= 0)
+            def _active():
+                _one_tile(mi, ni, g, x_gmem, w_gmems, rw_gmem, o_gmem)
+
+    def _one_tile(mi, ni, g, x_gmem, w_gmems, rw_gmem, o_gmem):
+        # shared-memory scratch and register accumulators are scoped separately (interpret
+        # mode does not allow mixing the two memory spaces in one run_scoped)
+        scoped = {}
+        if n_deq:
+            scoped["deq"] = [plgpu.SMEM((2, bn, kx), jnp.bfloat16) for _ in range(n_deq)]
+        if fused:
+            scoped["rw_smem"] = plgpu.SMEM((bm,), jnp.float32)
+            scoped["rw_bar"] = plgpu.Barrier(num_arrivals=1)
+
+        def with_scratch(deq=(), rw_smem=None, rw_bar=None):
+            if fused:  # routing weights of this row tile, in flight during the main loop
+                plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(mi * bm, bm)], rw_smem, rw_bar)
+
+            def step(accs, idx, *smem):
+                (k,) = idx
+                xs = smem[:n_xin]
+                rest = smem[n_xin:]
+                if fmt != "bf16":
+                    # the wgmma of step k-2 read this scratch slot: it retired at the end of
+                    # step k-1 (wgmma_wait below keeps at most one step in flight)
+                    slot = lax.rem(k, 2)
+                    b_tiles = []
+                    for wi in range(n_w):
+                        q_ref, s_ref = rest[2 * wi], rest[2 * wi + 1]
+                        # 64 weight rows at a time (one wgmma-layout row block) bounds the
+                        # registers the dequant needs next to the accumulators
+                        for r in range(0, bn, HOPPER_MMA_M):
+                            rows = pl.ds(r, HOPPER_MMA_M)
+                            q = q_ref[rows, :]
+                            s_rows = s_ref.at[:, rows]
+                            if fmt == "fp8":
+                                tiles = (_dequant_fp8(q, s_rows, bk),)
+                            else:
+                                tiles = _dequant_fp4(q, s_rows, bk)
+                            for h, t in enumerate(tiles):
+                                deq[wi * n_xin + h][slot, rows, :] = t
+                        b_tiles += [deq[wi * n_xin + h].at[slot] for h in range(n_xin)]
+                    plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+                else:
+                    b_tiles = list(rest)
+                for wi in range(n_w):
+                    for h in range(n_xin):
+                        plgpu.wgmma(accs[wi], xs[h], b_tiles[wi * n_xin + h].transpose((1, 0)))
+                plgpu.wgmma_wait(wgmmas_per_step)  # step k-1's wgmmas retired: its slots can refill
+
+            operands = [x_gmem] * n_xin
+            for w_gmem, s_gmem in w_gmems:
+                operands.append(w_gmem.at[g])
+                if s_gmem is not None:
+                    operands.append(s_gmem.at[g])
+
+            def with_accs(*accs):
+                # (emit_pipeline trims the depth to nk itself, after checking it exceeds delay_release)
+                plgpu.emit_pipeline(functools.partial(step, accs), grid=(nk,), in_specs=specs(mi, ni),
+                                    max_concurrent_steps=max(stages, 2))(*operands)
+                return [a[...] for a in accs]  # waits for the last wgmmas
+
+            vals = pl.run_scoped(with_accs, *[plgpu.ACC((bm, bn)) for _ in range(n_w)])
+            if fused:
+                plgpu.barrier_wait(rw_bar)
+                rw = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+                return _swiglu_epilogue(vals[0], vals[1], rw, swiglu_limit)
+            return vals[0].astype(jnp.bfloat16)
+
+        out = pl.run_scoped(with_scratch, **scoped) if scoped else with_scratch()
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), jnp.bfloat16))
+        def _store(o_smem):
+            o_smem[...] = out
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    args = [tile_group, x]
+    for w, s in weights:
+        args.append(w)
+        if fmt != "bf16":
+            args.append(s)
+    if fused:
+        args.append(route_w)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((mp, n_out), jnp.bfloat16),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(*args)
+
+
+def _swiglu_epilogue(gate_acc, up_acc, rw, limit: float):
+    """The reference's rounding: gate/up rounded to bf16 (its grouped matmuls return bf16),
+    clamped SwiGLU and the routing weight in fp32, then bf16."""
+    gate = gate_acc.astype(jnp.bfloat16).astype(jnp.float32)
+    up = up_acc.astype(jnp.bfloat16).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.minimum(jnp.maximum(up, -limit), limit)
+        gate = jnp.minimum(gate, limit)
+    h = gate * jax.nn.sigmoid(gate) * up * rw[:, None]
+    return h.astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- wrappers
+def _check_fmt(w: jax.Array, scale, fmt: str, k_in: int):
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r}: expected one of {FORMATS}")
+    if fmt != "bf16" and scale is None:
+        raise ValueError(f"fmt={fmt!r} needs scales")
+    want_k = k_in // 2 if fmt == "fp4" else k_in
+    if w.shape[-1] != want_k:
+        raise ValueError(f"{fmt} weights {w.shape} do not match K={k_in}")
+    if k_in % QBLOCK:
+        raise ValueError(f"K={k_in} must be a multiple of {QBLOCK}")
+
+
+def _weight_operand(w: jax.Array, scale, fmt: str, n_out: int):
+    if fmt == "fp8":
+        return w.astype(jnp.float8_e4m3fn), prepare_scales(scale, fmt, n_out)
+    if fmt == "fp4":
+        return w.astype(jnp.uint8), prepare_scales(scale, fmt, n_out)
+    return w.astype(jnp.bfloat16), None
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """``[M, K]`` -> ``[x[:, 0::2] | x[:, 1::2]]``: the input order the fp4 kernel uses."""
+    return jnp.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
+
+
+def _tiles_for(m_rows, n_groups, n_out, k_in, fmt, fused, block_m, block_n, block_k, stages):
+    cfg = hopper_tiling(m_rows, n_groups, n_out, k_in, fmt, fused)
+    return GmmTiling(block_m=block_m or cfg.block_m, block_n=block_n or cfg.block_n,
+                     block_k=block_k or cfg.block_k, stages=stages or cfg.stages,
+                     grid_tile_width=cfg.grid_tile_width)
+
+
+def grouped_matmul(x_MK: jax.Array, w_EOK: jax.Array, scale: jax.Array | None, group_sizes_E: jax.Array,
+                   fmt: str, *, interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, stages: int | None = None) -> jax.Array:
+    """``out[r] = x[r] @ W_e^T`` for the rows ``r`` of group ``e`` (rows sorted by group, group
+    ``e`` owning ``group_sizes[e]`` consecutive rows); rows past ``sum(group_sizes)`` give zeros.
+
+    ``w_EOK``: weight values in storage format (bf16 ``[E, O, K]``; fp8 e4m3 ``[E, O, K]`` with
+    ue8m0 ``scale [E, ceil(O/32), K/32]``; fp4 packed uint8 ``[E, O, K/2]`` with ue8m0
+    ``scale [E, O, K/32]``). bf16 in, fp32 accumulation, bf16 ``[M, O]`` out.
+    """
+    M, K = x_MK.shape
+    E, O = w_EOK.shape[:2]
+    _check_fmt(w_EOK, scale, fmt, K)
+    cfg = _tiles_for(M, E, O, K, fmt, False, block_m, block_n, block_k, stages)
+    lay = tiling.aligned_layout(group_sizes_E, M, cfg.block_m)
+    src, valid = lay.padded_row_source()
+    x = x_MK.astype(jnp.bfloat16)
+    if fmt == "fp4":
+        x = _deinterleave(x)
+    x_pad = jnp.where(valid[:, None], x[src], 0).astype(jnp.bfloat16)
+    y_pad = _hopper_gmm(lay.tile_group, x_pad, [_weight_operand(w_EOK, scale, fmt, O)], None, fmt=fmt,
+                        n_out=O, k_in=K, cfg=cfg, swiglu_limit=0.0, interpret=interpret)
+    grp = tiling.group_of_row(group_sizes_E, M)
+    pos = lay.padded_position(jnp.arange(M, dtype=jnp.int32), grp)
+    return jnp.where((grp >= 0)[:, None], y_pad[pos], 0).astype(jnp.bfloat16)
+
+
+def _qdq_h(h: jax.Array, fmt: str) -> jax.Array:
+    """fp8 QDQ of the SwiGLU output (blocks of 32 along F) before the down projection, as the
+    reference does for quantized experts. In jnp between the two kernels: fusing it in the
+    gate+up epilogue needs a 32-column amax per row of the accumulator (a segmented reduction
+    across the wgmma register layout) and an f32 -> e4m3 -> f32 round trip; it is ~1% of the
+    prefill time (one read + one write of ``h``)."""
+    return quant.act_quant_fp8(h) if fmt in ("fp8", "fp4") else h
+
+
+def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int, *,
+                interpret: bool = False, tiles_up: GmmTiling | None = None,
+                tiles_down: GmmTiling | None = None):
+    """Same signature and semantics as ``moe_gmm_ref.moe_experts_ref``: bf16 ``[T, X, D]``."""
+    T, X = idx_TX.shape
+    D = x_TD.shape[-1]
+    w1v, w1s = w1
+    w2v, w2s = w2
+    w3v, w3s = w3
+    E, F = w1v.shape[:2]
+    _check_fmt(w1v, w1s, fmt, D)
+    _check_fmt(w3v, w3s, fmt, D)
+    _check_fmt(w2v, w2s, fmt, F)
+    if n_experts != E:
+        raise ValueError(f"n_experts={n_experts} but the weights stack {E} experts")
+    quantized = fmt in ("fp8", "fp4")
+    M = T * X
+    a = quant.act_quant_fp8(x_TD.astype(jnp.bfloat16)) if quantized else x_TD.astype(jnp.bfloat16)
+
+    flat_e = idx_TX.reshape(-1).astype(jnp.int32)
+    in_range = (flat_e >= 0) & (flat_e < n_experts)
+    key = jnp.where(in_range, flat_e, n_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+
+    cfg_up = tiles_up or hopper_tiling(M, E, F, D, fmt, True)
+    cfg_dn = tiles_down or hopper_tiling(M, E, D, F, fmt, False)
+    cfg_dn = dataclasses.replace(cfg_dn, block_m=cfg_up.block_m)  # both kernels share the layout
+    lay = tiling.aligned_layout(sizes, M, cfg_up.block_m)
+    src, valid = lay.padded_row_source()  # padded row -> sorted position
+    entry = order[src]  # padded row -> flat (t, x) routing entry
+    if fmt == "fp4":
+        a = _deinterleave(a)
+    x_pad = jnp.where(valid[:, None], a[entry // X], 0).astype(jnp.bfloat16)
+    rw_pad = jnp.where(valid, weight_TX.reshape(-1)[entry].astype(jnp.float32), 0.0)
+
+    up_w = [_weight_operand(w1v, w1s, fmt, F), _weight_operand(w3v, w3s, fmt, F)]
+    h_pad = _hopper_gmm(lay.tile_group, x_pad, up_w, rw_pad, fmt=fmt, n_out=F, k_in=D, cfg=cfg_up,
+                        swiglu_limit=float(swiglu_limit), interpret=interpret)
+    h_pad = _qdq_h(h_pad, fmt)
+    if fmt == "fp4":
+        h_pad = _deinterleave(h_pad)
+    y_pad = _hopper_gmm(lay.tile_group, h_pad, [_weight_operand(w2v, w2s, fmt, D)], None, fmt=fmt,
+                        n_out=D, k_in=F, cfg=cfg_dn, swiglu_limit=0.0, interpret=interpret)
+
+    # back to routing-entry order: entry j sits at sorted position inv[j]
+    inv = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))
+    pos = lay.padded_position(inv, jnp.where(in_range, flat_e, -1))
+    y = jnp.where(in_range[:, None], y_pad[pos], 0).astype(jnp.bfloat16)
+    return y.reshape(T, X, D)
+
+
+def moe_experts_op(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):
+    """What ``ops.moe_experts`` runs on a GPU: the kernel in a single-device process. With more
+    devices the expert weights are sharded over the mesh and a custom call inside GSPMD would
+    make XLA gather them all onto every device, so the partitioned reference runs until a
+    ``shard_map`` wrapper (local experts per device) exists."""
+    from deepinfer_jax.kernels_pallas import moe_gmm_ref
+
+    if jax.device_count() > 1 or not is_hopper() or not shapes_supported(x_TD, idx_TX, w1, fmt, n_experts):
+        return moe_gmm_ref.moe_experts_ref(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
+    return moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
+
+
+def shapes_supported(x_TD, idx_TX, w1, fmt: str, n_experts: int) -> bool:
+    """Whether the kernels tile these widths (they do not mask the N and K edges: e.g. the tiny
+    test model's F=64 is below the fp8/fp4 block); other shapes run the reference."""
+    T, X = idx_TX.shape
+    D = x_TD.shape[-1]
+    E, F = w1[0].shape[:2]
+    try:
+        hopper_tiling(T * X, E, F, D, fmt, True)
+        hopper_tiling(T * X, E, D, F, fmt, False)
+    except ValueError:
+        return False
+    return True
+
+
+def is_hopper() -> bool:
+    """The kernels here use ``wgmma``: SM90 only (an SM100 variant would use ``tcgen05``)."""
+    try:
+        return str(jax.devices()[0].compute_capability).startswith("9.")
+    except Exception:
+        return False
+
+
+def register() -> None:
+    """Plug the Hopper kernel into ``ops.moe_experts`` for platform ``gpu``. ``ops`` imports
+    this module on first use on a GPU; importing it elsewhere only records the entry."""
+    from deepinfer_jax.kernels_pallas import ops
+
+    if _HAVE_MGPU:
+        ops.register_kernel("moe_experts", "gpu", moe_experts_op)
+
+
+register()
