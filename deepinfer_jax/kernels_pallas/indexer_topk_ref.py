@@ -25,6 +25,13 @@ def indexer_scores_ref(q_TIJ: jax.Array, k_TNJ: jax.Array, w_TI: jax.Array, n_vi
     return jnp.where(visible, score, -jnp.inf)
 
 
+def indexer_scores_pool_ref(q_TIJ: jax.Array, pool_PJ: jax.Array, entry_RN: jax.Array, token_row_T: jax.Array,
+                            w_TI: jax.Array, n_visible_T: jax.Array) -> jax.Array:
+    """``indexer_scores_ref`` with token ``t``'s keys ``pool_PJ[entry_RN[token_row_T[t]]]`` (gathered here)."""
+    k_TNJ = jnp.take(pool_PJ, entry_RN, axis=0, mode="clip")[token_row_T]
+    return indexer_scores_ref(q_TIJ, k_TNJ, w_TI, n_visible_T)
+
+
 def candidate_blocks_ref(score_TN: jax.Array, n_visible_T: jax.Array, topk_blocks: int, block: int) -> jax.Array:
     """Bool mask ``[T, N]`` of the positions inside the ``topk_blocks`` best blocks (block score =
     max over its positions); the block holding the newest visible position is always kept."""

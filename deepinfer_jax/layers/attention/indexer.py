@@ -54,9 +54,10 @@ class Indexer(nnx.Module):
         scale = np.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)
         w = (self.weights_proj(x_TD).astype(jnp.float32) * scale).astype(jnp.bfloat16)
         cache = ctx.cache["index_k"][src]
-        keys_RNJ = jnp.take(cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio), axis=0)
         n_vis = ctx.n_visible(ratio)
-        score = ops.indexer_scores(q, keys_RNJ[ctx.batch.token_row], w, n_vis)
+        # keys read in place from the paged cache (each row's entries), not gathered per token
+        score = ops.indexer_scores_pool(q, cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio),
+                                        ctx.batch.token_row, w, n_vis)
         if self.is_candidate_source:
             cand = ops.candidate_blocks(score, n_vis, self.cand_blocks, self.cand_block)
             ctx.candidates[src] = cand

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Indexer scoring + top-k (Pallas) vs ``jax.lax.top_k`` on the same scores and vs the jnp path.
+
+Shapes: T tokens in {64, 256}, N positions in {16384, 65536, 131072}, the V4.1 indexer (I = 32
+heads, J = 128, k = 512, from ``ModelConfig``); every token sees all N positions (worst case).
+
+Rows per (T, N):
+  lax_top_k     ``jax.lax.top_k(scores_bf16, k)`` alone, scores precomputed: the baseline
+  ref_path      ``indexer_scores_ref`` + ``topk_positions_ref`` (the jnp path the model runs now)
+  select        our ``topk_positions`` alone on the precomputed scores
+  ours_gather   our ``indexer_scores`` (keys gathered per token ``[T, N, J]``: T*N*J*2 bytes of
+                keys, the decode case, each token its own request) + ``topk_positions``
+  ours_shared   our ``indexer_scores_pool`` with all T tokens on one request row (prefill case:
+                N*J*2 bytes of keys, L2-resident re-reads) + ``topk_positions``
+``x_top_k`` = lax_top_k time / row time (the goal: >= 10 for scoring + select). ``GB/s`` counts
+the key bytes once (+ scores written and read twice). ``floor`` = max(bytes / 4.3 TB/s,
+FLOPs / 790 TFLOP/s) with those bytes (the copy and bf16 GEMM rates measured on an H200 here).
+Times are device times per call (calls chained in one jitted loop; see ``_timeit``); inputs are
+not rotated, so data that fits the 60 MB L2 (scores at T=64, N=16k) is timed warm, for the
+baseline and for us alike.
+
+    python scripts/kernel_bench/indexer_topk.py            # all sizes
+    python scripts/kernel_bench/indexer_topk.py --quick    # two sizes
+Needs a GPU (on CPU it runs the tiny interpret-mode shapes only as a smoke test).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernel_bench
+
+HBM_BPS = 4.3e12
+MMA_FLOPS = 790e12
+
+
+def _timeit(fn, args, iters: int, repeats: int = 3) -> float:
+    """Device seconds per call of ``fn(*args)``: ``iters`` calls chained in one jitted
+    ``fori_loop`` (one dispatch, no host overhead per call; the per-call host dispatch of ~35 us
+    would otherwise swamp the small sizes). Each iteration feeds a data dependency back into
+    ``args[0]`` (one element, value unchanged) so XLA cannot hoist the call out of the loop; the
+    sum over the output that makes it is included in the time (one read of the output).
+    Median over ``repeats`` timed runs after a compile/warm-up run."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    @jax.jit
+    def loop(*a):
+        def body(i, carry):
+            a0, acc = carry
+            out = fn(a0, *a[1:])
+            # every output feeds the carry in full: XLA shrinks its own ops to what is used
+            # (top_k with its indices unused was seen 7x faster than the full op)
+            for leaf in jax.tree_util.tree_leaves(out):
+                acc = acc + jnp.sum(leaf.astype(jnp.float32))
+            idx = (0,) * a0.ndim
+            bump = jnp.where(acc == 1234.5678, 1, 0).astype(a0.dtype)  # 0 at run time, opaque to XLA
+            return a0.at[idx].set(a0[idx] + bump), acc
+
+        return lax.fori_loop(0, iters, body, (a[0], jnp.float32(0)))[1]
+
+    jax.block_until_ready(loop(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        times.append((time.perf_counter() - t0) / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(quick: bool = False) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.kernels_pallas import indexer_topk as K
+    from deepinfer_jax.kernels_pallas import indexer_topk_ref as R
+
+    cfg = ModelConfig()
+    I, J, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:
+        sizes = [(64, 16384), (256, 131072)] if quick else [(T, N) for T in (64, 256) for N in (16384, 65536, 131072)]
+    else:
+        sizes, I, J, k = [(4, 512)], 16, 32, 64
+    interp = not on_gpu
+    rows: list[dict] = []
+    key = jax.random.PRNGKey(0)
+    for T, N in sizes:
+        ks = jax.random.split(jax.random.fold_in(key, T * N), 6)
+        q = jax.random.normal(ks[0], (T, I, J), jnp.bfloat16)
+        w = (jax.random.normal(ks[1], (T, I), jnp.float32) * (I * J) ** -0.5).astype(jnp.bfloat16)
+        keys = (jax.random.normal(ks[2], (T, N, J), jnp.float32) * 0.3).astype(jnp.bfloat16)
+        nv = jnp.full((T,), N, jnp.int32)
+        pool = keys[0]  # one request row holding N entries
+        entry = jnp.arange(N, dtype=jnp.int32)[None]
+        trow = jnp.zeros((T,), jnp.int32)
+
+        scores = [K.indexer_scores(q, keys, w, nv, interpret=interp)]
+        jax.block_until_ready(scores)
+        # correctness spot checks at this size
+        ok_sel = bool(jnp.all(K.topk_positions(scores[0], k, interpret=interp) == R.topk_positions_ref(scores[0], k)))
+        ref_s = R.indexer_scores_ref(q, keys, w, nv)
+        d = jnp.abs(ref_s.astype(jnp.float32) - scores[0].astype(jnp.float32))
+        frac_diff = float(jnp.mean((d > 0).astype(jnp.float32)))
+        del ref_s, d
+
+        iters = 10 if on_gpu else 1
+
+        def topk_fn(s):
+            return jax.lax.top_k(s, k)
+
+        def sel_fn(s):
+            return K.topk_positions(s, k, interpret=interp)
+
+        def ref_fn(q, kk, w, nv):
+            return R.topk_positions_ref(R.indexer_scores_ref(q, kk, w, nv), k)
+
+        def gat_fn(q, kk, w, nv):
+            return K.topk_positions(K.indexer_scores(q, kk, w, nv, interpret=interp), k, interpret=interp)
+
+        def scr_fn(q, kk, w, nv):
+            return K.indexer_scores(q, kk, w, nv, interpret=interp)
+
+        def shr_fn(q, p, e, r, w, nv):
+            return K.topk_positions(K.indexer_scores_pool(q, p, e, r, w, nv, interpret=interp), k, interpret=interp)
+
+        t_topk = _timeit(topk_fn, (scores[0],), iters)
+        t_sel = _timeit(sel_fn, (scores[0],), iters)
+        t_ref = _timeit(ref_fn, (q, keys, w, nv), max(1, iters // 4))
+        t_gat = _timeit(gat_fn, (q, keys, w, nv), iters)
+        t_scr = _timeit(scr_fn, (q, keys, w, nv), iters)
+        t_shr = _timeit(shr_fn, (q, pool, entry, trow, w, nv), iters)
+        del keys, pool
+
+        flops = 2.0 * T * N * I * J
+        sb = T * N * 2  # one pass over the bf16 scores
+        case = {
+            "lax_top_k": (t_topk, sb, 0.0),
+            "ref_path": (t_ref, T * N * J * 2 + sb * 2, flops),
+            "select": (t_sel, 3 * sb, 0.0),
+            "scores_gather": (t_scr, T * N * J * 2 + sb, flops),
+            "ours_gather": (t_gat, T * N * J * 2 + 3 * sb, flops),
+            "ours_shared": (t_shr, N * J * 2 + 3 * sb, flops),
+        }
+        for name, (t, nbytes, fl) in case.items():
+            floor = max(nbytes / HBM_BPS, fl / MMA_FLOPS)
+            rows.append(dict(T=T, N=N, I=I, J=J, k=k, case=name, ms=t * 1e3, x_top_k=t_topk / t,
+                             gbps=nbytes / t / 1e9, floor_ms=floor * 1e3, of_floor=floor / t,
+                             select_exact=ok_sel, score_frac_diff=frac_diff))
+        print(f"T={T} N={N}: top_k {t_topk*1e3:.3f} ms, select {t_sel*1e3:.3f} ms, ours_gather {t_gat*1e3:.3f} ms, "
+              f"ours_shared {t_shr*1e3:.3f} ms, ref {t_ref*1e3:.3f} ms, exact={ok_sel}, "
+              f"scores differing {frac_diff:.2e}", flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    hdr = f"{'T':>4} {'N':>7} {'case':<14} {'ms':>9} {'x_top_k':>8} {'GB/s':>8} {'floor_ms':>9} {'%floor':>7}"
+    print(hdr)
+    for r in rows:
+        print(f"{r['T']:>4} {r['N']:>7} {r['case']:<14} {r['ms']:>9.3f} {r['x_top_k']:>8.2f} {r['gbps']:>8.0f} "
+              f"{r['floor_ms']:>9.3f} {100 * r['of_floor']:>6.0f}%")
+
+
+def main(argv=None) -> int:
+    from kernel_bench import standalone_main
+
+    return standalone_main(__doc__, bench, print_table, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
