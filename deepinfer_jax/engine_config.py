@@ -38,6 +38,9 @@ class EngineConfig:
     # padded request counts per step (sampler rows); default: max_num_seqs alone. More sizes cut
     # the sampler's per-row work for small batches at the price of more compiled variants
     row_buckets: tuple[int, ...] | None = None
+    # compact YOCO truncation: padded decoder-token counts (each <= the step's token bucket);
+    # default: the token buckets. Compiled variants grow with (token, decoder) bucket pairs
+    decoder_buckets: tuple[int, ...] | None = None
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
     kernels: str | None = None             # "auto" | "reference"; None: $DEEPINFER_KERNELS or "auto"
@@ -103,8 +106,12 @@ class EngineConfig:
         rows = tuple(sorted(set(int(b) for b in (self.row_buckets or (self.max_num_seqs,)))))
         if rows[0] < 1 or rows[-1] != self.max_num_seqs:
             self._bad("row_buckets", f"sizes must be >= 1 and the largest must be max_num_seqs={self.max_num_seqs}")
+        dec = tuple(sorted(set(int(b) for b in (self.decoder_buckets or buckets))))
+        if dec[0] < 1:
+            self._bad("decoder_buckets", "sizes must be >= 1")
         return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks,
-                                   prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows)
+                                   prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
+                                   decoder_buckets=dec)
 
     @property
     def blocks_per_seq(self) -> int:

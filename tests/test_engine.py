@@ -288,3 +288,26 @@ def test_cli_generate(model_dir, capsys):
     assert "2 requests" in out and "tok/s" in out
     assert main(["generate", "--model", "/nonexistent/dir"]) == 2
     assert "model='/nonexistent/dir'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(decoder_buckets=(16, 64)), dict(row_buckets=(1, 4, 16))])
+def test_every_step_shape_is_a_precompiled_variant(kw):
+    """Whatever a step holds, the runner pads it to one of the variants warm-up compiles."""
+    import types
+
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.runner.model_runner import ModelRunner
+
+    ec = EngineConfig(max_num_batched_tokens=256, **kw).resolve(preset("v41-tiny"), "gpu")
+    for compact in (True, False):
+        r = ModelRunner.__new__(ModelRunner)  # bucket logic only: no weights
+        r.ec, r.compact = ec, compact
+        variants = set(r.variants())
+        rng = np.random.default_rng(0)
+        for _ in range(500):
+            n = int(rng.integers(1, 257))
+            sched = types.SimpleNamespace(num_tokens=n, rows=[None] * int(rng.integers(1, min(n, 16) + 1)),
+                                          num_decoder_tokens=int(rng.integers(0, n + 1)))
+            T, R, Td = r.buckets_of(sched)
+            assert (T, R, Td) in variants and T >= n and R >= len(sched.rows)
+            assert Td is None or Td >= sched.num_decoder_tokens

@@ -138,8 +138,11 @@ class ModelRunner:
         """(tokens T, rows R, decoder tokens T' or None) of the step's padded shape."""
         T = pick_bucket(sched.num_tokens, self.ec.token_buckets)
         R = pick_bucket(max(len(sched.rows), 1), self.ec.row_buckets)
-        Td = pick_bucket(max(sched.num_decoder_tokens, 1), self.ec.token_buckets) if self.compact else None
-        return T, R, (min(Td, T) if Td is not None else None)
+        Td = None
+        if self.compact:  # the smallest decoder bucket that holds them, else the whole step
+            need = max(sched.num_decoder_tokens, 1)
+            Td = next((b for b in self.ec.decoder_buckets if need <= b < T), T)
+        return T, R, Td
 
     def variants(self) -> list[tuple[int, int, int | None]]:
         out = []
@@ -148,7 +151,7 @@ class ModelRunner:
                 if R > T:
                     continue
                 if self.compact:
-                    out += [(T, R, Td) for Td in self.ec.token_buckets if Td <= T]
+                    out += [(T, R, Td) for Td in self.ec.decoder_buckets if Td < T] + [(T, R, T)]
                 else:
                     out.append((T, R, None))
         return out
