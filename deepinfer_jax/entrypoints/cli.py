@@ -10,10 +10,9 @@ released weights here, so on first use a random-weight checkpoint of that preset
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
+from deepinfer_jax.models.registry import DEFAULT_MODEL
 
 DEFAULT_PROMPTS = ["the quick brown fox", "once upon a time there was", "a b c d e f g",
                    "hello world , this is a test of the engine"]
