@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The model's forward step with the Pallas kernels on vs off (pure-jnp references), at a
+per-GPU slice of DeepSeek-V4.1-Flash: real widths (D=5120, 64 heads x 512, index 32 x 128,
+top-512, window 128, F=2304), the tiny model's 6-layer schedule (window, ratio-2 and ratio-1
+layers, KV/index/candidate sources, Engram), a few local experts and small Engram tables.
+
+Decode: ``--decode-requests`` rows of one token each at position ``--context - 1`` (caches filled
+with random values: the work per step is what is timed, not the text). Prefill: one row of
+``--prefill-tokens`` fresh tokens. Each case is compiled once per backend, then timed as the
+median of ``--iters`` steps; the table gives the kernels-on/off ratio measured in the same run.
+
+    python scripts/bench_e2e.py                         # on the GPU; writes benchmarks/results/e2e_<device>.json
+    python scripts/bench_e2e.py --small --context 256 --prefill-tokens 64 --decode-requests 4   # CPU smoke run
+
+Routing: every token picks ``num_experts_per_tok`` of the ``--experts`` local experts, so a step
+routes more rows per expert than a real EP rank (which sees about T*6/48 rows for 8 of 384
+experts); the MoE share of the time is therefore an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def slice_config(small: bool, experts: int, context: int):
+    from deepinfer_jax.config import preset
+
+    tiny = preset("v41-tiny")
+    if small:
+        return tiny.replace(max_position_embeddings=max(tiny.max_position_embeddings, context))
+    flash = preset("v41-flash")
+    keep = {f.name: getattr(flash, f.name) for f in dataclasses.fields(flash)}
+    schedule = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
+                "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids", "dspark_target_layer_ids")
+    keep.update({k: getattr(tiny, k) for k in schedule})
+    keep.update(n_routed_experts=experts, num_experts_per_tok=min(flash.num_experts_per_tok, experts),
+                dspark_n_routed_experts=experts, dspark_num_experts_per_tok=min(3, experts),
+                engram_vocab_size=50_000, max_position_embeddings=max(context, 65536))
+    return type(flash)(**keep).validate()
+
+
+def fill_random(cache, seed: int):
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(cache)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [jnp.where(jnp.isfinite(x), (jax.random.normal(k, x.shape, jnp.float32) * 0.5).astype(x.dtype), x)
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny widths (CPU smoke run)")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096, help="decode position + 1")
+    ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--model-dir", default=None, help="reuse a checkpoint written by an earlier run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from deepinfer_jax.kernels_pallas import ops
+    from deepinfer_jax.models.cache import CacheConfig, allocate_cache
+    from deepinfer_jax.models.engram_hash import EngramHasher
+    from deepinfer_jax.models.forward_batch import RowSpec, build_batch
+    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+    from deepinfer_jax.models.weights import load_model
+
+    cfg = slice_config(args.small, args.experts, args.context)
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="v41_slice_")
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        write_random_checkpoint(cfg, model_dir, seed=0, progress=True)
+    model = load_model(model_dir, progress=True)
+    cfg = model.cfg
+    print(f"checkpoint + load {time.perf_counter() - t0:.1f}s ({model_dir})")
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    tok = os.path.join(model_dir, "tokenizer.json")
+    hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None) if cfg.engram_enabled else None
+
+    bt = 64
+    R = max(args.decode_requests, 1)
+    per_seq = -(-max(args.context, args.prefill_tokens) // bt)
+    cc = CacheConfig(num_slots=R, num_blocks=R * per_seq, block_tokens=bt, max_blocks_per_seq=per_seq)
+    rng = np.random.default_rng(0)
+
+    def rows_decode():
+        out = []
+        for r in range(R):
+            hist = rng.integers(3, cfg.vocab_size, size=args.context)
+            e = hasher.hash_positions(hist, np.array([args.context - 1])) if hasher else None
+            out.append(RowSpec([int(hist[-1])], args.context - 1, r, list(range(r * per_seq, (r + 1) * per_seq)), e))
+        return out
+
+    def rows_prefill():
+        toks = rng.integers(3, cfg.vocab_size, size=args.prefill_tokens)
+        e = hasher.hash_positions(toks, np.arange(len(toks))) if hasher else None
+        return [RowSpec(toks.tolist(), 0, 0, list(range(per_seq)), e)]
+
+    def batch_of(rows, T):
+        return build_batch(rows, num_tokens=T, num_rows=len(rows), max_blocks=per_seq, num_slots=R,
+                           n_engram_layers=hasher.n_layers if hasher else 0,
+                           n_hash_cols=hasher.n_hash_cols if hasher else 0)
+
+    cases = {"decode": batch_of(rows_decode(), R), "prefill": batch_of(rows_prefill(), args.prefill_tokens)}
+    table = []
+    for backend in ("reference", "auto"):
+        ops.set_backend(backend)
+
+        def fwd(leaves_, cache_, batch_):  # a new function per backend: ops choose at trace time
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves_))
+            return m(cache_, batch_)[:2]
+
+        step = jax.jit(fwd, donate_argnums=(1,))
+        for case, batch in cases.items():
+            cache = fill_random(allocate_cache(cfg, cc), 1)
+            t_c = time.perf_counter()
+            cache, lg = step(leaves, cache, batch)
+            jax.block_until_ready(lg)
+            compile_s = time.perf_counter() - t_c
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                cache, lg = step(leaves, cache, batch)
+                jax.block_until_ready(lg)
+                times.append(time.perf_counter() - t)
+            row = {"case": case, "backend": backend, "tokens": int(batch.num_tokens),
+                   "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                   "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all())}
+            table.append(row)
+            print(f"{case:8} {backend:9} {row['tokens']:6d} tok  median {row['median_ms']:9.2f} ms  "
+                  f"min {row['min_ms']:9.2f} ms  (compile {compile_s:.1f}s, finite logits {row['finite']})")
+    for case in cases:
+        ref = next(r for r in table if r["case"] == case and r["backend"] == "reference")
+        ker = next(r for r in table if r["case"] == case and r["backend"] == "auto")
+        ker["speedup_vs_reference"] = ref["median_ms"] / ker["median_ms"]
+        print(f"{case}: kernels on / off = {ker['speedup_vs_reference']:.2f}x faster")
+    device = jax.devices()[0].device_kind
+    out = args.out or os.path.join("benchmarks", "results", f"e2e_{device.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "device": device, "jax": jax.__version__, "args": vars(args),
+                   "config": cfg.to_hf_dict(), "table": table}, f, indent=1, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
