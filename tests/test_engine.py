@@ -311,3 +311,34 @@ def test_every_step_shape_is_a_precompiled_variant(kw):
             T, R, Td = r.buckets_of(sched)
             assert (T, R, Td) in variants and T >= n and R >= len(sched.rows)
             assert Td is None or Td >= sched.num_decoder_tokens
+
+
+def test_engine_matches_the_model_driven_directly(model_dir, prompts16):
+    """The engine's tokens equal a plain greedy loop over the model (``SequenceDriver``) at the
+    same step shape: scheduling, paging, Engram hashing (host and on-device placeholders) and
+    sampling add nothing to the model's own arithmetic."""
+    import os
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.cache import CacheConfig
+    from deepinfer_jax.models.engram_hash import EngramHasher
+    from deepinfer_jax.models.greedy import SequenceDriver
+    from deepinfer_jax.models.weights import load_model
+
+    cfg = ModelConfig.from_json(model_dir)
+    drv = SequenceDriver(load_model(model_dir, cfg), CacheConfig(num_slots=16, num_blocks=80, block_tokens=64,
+                                                                 max_blocks_per_seq=5),
+                         EngramHasher.from_model_config(cfg, os.path.join(model_dir, "tokenizer.json")))
+    prompts = [p for p in prompts16 if len(p) > 64][:2] + prompts16[:1]
+    want = []
+    for slot, p in enumerate(prompts):
+        for i in range(0, len(p), 64):
+            lg, _, _ = drv.step([(slot, p[i:i + 64])], num_tokens=64, num_rows=16)
+        out = [int(np.argmax(lg[0]))]
+        for _ in range(7):
+            lg, _, _ = drv.step([(slot, [out[-1]])], num_tokens=64, num_rows=16)
+            out.append(int(np.argmax(lg[0])))
+        want.append(out)
+    engine = LLM(model_dir, yoco_truncation="off", **BASE)
+    got = [engine.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == want

@@ -851,3 +851,14 @@ def test_abort_frees_resources_and_keeps_others(async_sched):
     eng.add_request("a1", reqs[1][1], reqs[1][2])
     outs = drive(eng)
     assert tokens_of(outs) == tokens_of(ref)
+
+
+def test_known_tokens_window():
+    from deepinfer_jax.host_scheduler.request import Request
+
+    r = Request("w", [10, 11, 12, 13], params(), seed=0)
+    r.output_token_ids = [20, 21]
+    full = r.all_token_ids
+    for a in range(0, 7):
+        for b in range(a, 9):
+            assert r.known_tokens(a, b) == full[a:b]

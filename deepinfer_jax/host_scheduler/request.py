@@ -83,6 +83,15 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_computed < self.num_tokens_planned - 1
 
+    def known_tokens(self, start: int, end: int) -> list[int]:
+        """Known tokens of positions ``[start, end)`` (clipped to what the host knows), without
+        building the whole history: per-step host work stays independent of the context length."""
+        n_p = len(self.prompt_token_ids)
+        out = self.prompt_token_ids[start:min(end, n_p)]
+        if end > n_p:
+            out = out + self.output_token_ids[max(start - n_p, 0):end - n_p]
+        return out
+
     def token_at(self, position: int) -> int | None:
         """The token at ``position`` if the host knows it, else None (an in-flight sample)."""
         n_p = len(self.prompt_token_ids)

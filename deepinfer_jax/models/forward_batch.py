@@ -159,7 +159,8 @@ def _decoder_view(rows: Sequence[RowSpec], logits_idx: Sequence[int], num_dec: i
     start = np.zeros(num_rows, np.int32)
     length = np.zeros(num_rows, np.int32)
     off = np.zeros(num_rows, np.int32)
-    full_to_dec: dict[int, int] = {}
+    n_full = sum(len(r.token_ids) for r in rows)
+    full_to_dec = np.full(n_full + 1, -1, np.int64)  # flat token -> decoder token (-1: not kept)
     o_full = o_dec = 0
     for i, r in enumerate(rows):
         n = len(r.token_ids)
@@ -170,14 +171,15 @@ def _decoder_view(rows: Sequence[RowSpec], logits_idx: Sequence[int], num_dec: i
         index[o_dec:o_dec + k] = np.arange(o_full + first, o_full + n)
         valid[o_dec:o_dec + k] = True
         start[i], length[i], off[i] = r.start + first, k, o_dec
-        full_to_dec.update({o_full + first + j: o_dec + j for j in range(k)})
+        full_to_dec[o_full + first:o_full + n] = np.arange(o_dec, o_dec + k)
         o_full += n
         o_dec += k
     li = np.zeros(num_logits, np.int32)
-    for j, t in enumerate(logits_idx):
-        if t < 0:
-            continue
-        if t not in full_to_dec:
-            raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
-        li[j] = full_to_dec[t]
+    want = np.asarray(list(logits_idx), np.int64)
+    asked = want >= 0
+    mapped = full_to_dec[np.where(asked, np.minimum(want, n_full), n_full)]
+    if np.any(asked & (mapped < 0)):
+        t = int(want[asked & (mapped < 0)][0])
+        raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
+    li[: len(want)] = np.where(asked, mapped, 0)
     return DecoderView(index, valid, start, length, off, li)

@@ -62,14 +62,15 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         toks = list(r.token_ids)
         eids = None
         if hasher is not None:
-            hist = r.request.all_token_ids
+            # an n-gram hash looks back K-1 tokens: hash over that window of the history only
+            w0 = max(r.start - (hasher.max_ngram_size - 1), 0)
             known = n - (1 if r.prev_row >= 0 else 0)
+            hist = np.asarray(r.request.known_tokens(w0, r.start + known), np.int64)
             eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
             if known:
-                eids[:known] = hasher.hash_positions(np.asarray(hist[: r.start + known]),
-                                                     np.arange(r.start, r.start + known))
+                eids[:known] = hasher.hash_positions(hist, np.arange(r.start, r.start + known) - w0)
             if r.prev_row >= 0:
-                partials[o + n - 1] = host_partials(hasher, np.asarray(hist[: r.start + n - 1]), r.start + n - 1)[0]
+                partials[o + n - 1] = host_partials(hasher, hist, r.start + n - 1 - w0)[0]
         if r.prev_row >= 0:
             prev[o + n - 1] = r.prev_row
             toks[-1] = 0
@@ -78,11 +79,9 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         logit_rows.append(o + n - 1 if r.sample else -1)
         if prompt_lp and r.prompt_logprobs:
             prompt = r.request.prompt_token_ids
-            for j in range(n):
-                p = r.start + j
-                if p + 1 < len(prompt):
-                    plp_rows[o + j] = o + j
-                    targets[o + j] = prompt[p + 1]
+            m = max(min(n, len(prompt) - 1 - r.start), 0)  # tokens whose next token is in the prompt
+            plp_rows[o:o + m] = np.arange(o, o + m)
+            targets[o:o + m] = prompt[r.start + 1:r.start + 1 + m]
         if r.sample:
             sample_rows.append((i, SampleRow(r.request.params, r.request.seed, r.sample_position, tuple(r.banned))))
         o += n
