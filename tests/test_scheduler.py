@@ -20,42 +20,26 @@ changes the output, and the fake also asserts the cache rules directly:
 * a placeholder names a row of the previous step that sampled; samples never exceed
   ``max_tokens`` / ``max_model_len``; the sampled position is at or above the decoder floor.
 
-No test here needs JAX (``deepinfer_jax.sampling``'s package ``__init__`` imports the jitted
-sampler, so ``SamplingParams`` is loaded from its pure-Python module file directly).
+No test here needs JAX (``deepinfer_jax.sampling`` imports its jitted sampler lazily).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 import time
-from pathlib import Path
-
 
 import numpy as np
 import pytest
 
-import deepinfer_jax
 from deepinfer_jax.config import preset
 from deepinfer_jax.engine.llm_engine import LLMEngine, child_seed
 from deepinfer_jax.engine_config import EngineConfig
 from deepinfer_jax.host_scheduler.block_pool import hash_request_blocks
 from deepinfer_jax.host_scheduler.request import Request
 from deepinfer_jax.host_scheduler.scheduler import Scheduler
+from deepinfer_jax.sampling.params import SamplingParams
 
-
-def _load_sampling_params():
-    path = Path(deepinfer_jax.__file__).parent / "sampling" / "params.py"
-    name = "_test_scheduler_sampling_params"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod.SamplingParams
-
-
-SamplingParams = _load_sampling_params()
 
 MODEL_CFG = preset("v41-tiny")  # sliding_window 8, 6 layers, max_position_embeddings 512
 V = 48                          # fake vocabulary (small, so EOS / stop ids come up often)
