@@ -155,7 +155,7 @@ class LLMEngine:
             step_id=sched.step_id, num_tokens=sched.num_tokens, bucket_tokens=handle.bucket_tokens,
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_rows=len(sched.rows), step_time_s=handle.t_done - handle.t_dispatch,
-            host_time_s=getattr(handle, "host_time", 0.0), cache_hit_tokens=sched.cache_hit_tokens,
+            host_time_s=handle.host_time, cache_hit_tokens=sched.cache_hit_tokens,
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait)))
         out = [self._request_output(g) for g in done_groups]
         self._forget(done_groups)

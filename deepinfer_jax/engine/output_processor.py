@@ -99,12 +99,11 @@ class OutputProcessor:
     def completion(self, st: RequestState) -> CompletionOutput:
         req = st.request
         fr = req.status.value if req.status.finished else None
-        m = req
         metrics = RequestMetrics(
-            arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
-            first_token_time=m.first_token_time, finished_time=m.finished_time,
-            time_in_queue=(m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time else None,
-            num_cached_tokens=m.num_cached_tokens, num_preemptions=m.num_preemptions)
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time, finished_time=req.finished_time,
+            time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None,
+            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions)
         return CompletionOutput(st.index, st.text, list(req.output_token_ids),
                                 st.cumulative_logprob if (st.logprobs is not None) else None,
                                 st.logprobs, fr, req.stop_reason, metrics)

@@ -39,7 +39,7 @@ import collections
 import dataclasses
 import time
 
-from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_request_blocks
+from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.slot_pool import SlotPool
 
@@ -277,10 +277,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cache bookkeeping
     def _update_hashes(self, req: Request) -> None:
+        """Extend the request's hash chain over its newly filled blocks (earlier ones are kept)."""
         bt = self.ec.block_tokens
-        n_full = req.num_tokens // bt
-        if len(req.block_hashes) < n_full:
-            req.block_hashes = hash_request_blocks(req.all_token_ids[: n_full * bt], bt)
+        h = req.block_hashes
+        for b in range(len(h), req.num_tokens // bt):
+            h.append(hash_block_tokens(h[-1] if h else None, req.known_tokens(b * bt, (b + 1) * bt)))
 
     def _register_blocks(self, req: Request) -> None:
         if not self.ec.enable_prefix_caching:

@@ -89,10 +89,13 @@ class StepResult:
 
 
 class StepHandle:
-    def __init__(self, sched, out, plp, offsets, t_dispatch: float):
+    """A dispatched step: its plan, padded size, dispatch time and (after ``fetch``) done time."""
+
+    def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int):
         self.sched, self._out, self._plp, self._offsets = sched, out, plp, offsets
-        self.t_dispatch = t_dispatch
+        self.t_dispatch, self.bucket_tokens = t_dispatch, bucket_tokens
         self.t_done: float | None = None
+        self.host_time = 0.0  # the engine's planning + input building + dispatch time
         for a in jax.tree.leaves((out, plp)):
             a.copy_to_host_async()
 
@@ -167,9 +170,7 @@ class ModelRunner:
             self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
             num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
-        h = StepHandle(sched, out, plp, offsets, t0)
-        h.bucket_tokens = T
-        return h
+        return StepHandle(sched, out, plp, offsets, t0, T)
 
     def execute(self, sched) -> StepHandle:
         """Dispatch one step without waiting for it."""
