@@ -19,6 +19,8 @@ reference's (x1.25 + 1e-3): the kernel is as close to the exact function as the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,8 @@ def test_hopper_tiling_regimes():
                 assert n % c.block_n == 0 and k % c.block_k == 0 and c.block_k % 32 == 0
                 assert c.block_m * c.block_n * (2 if fused else 1) <= 128 * 128  # accumulator registers
                 assert 2 <= c.stages <= 6
+                assert (k // c.block_k) % c.k_splits == 0
+                assert c.k_splits == 1 or c.block_m == 64  # splitting is a decode tiling
 
 
 def test_ops_hook_keeps_reference_on_cpu():
@@ -182,6 +186,30 @@ def test_grouped_matmul_prefill_tile(interpret):
     assert (np.asarray(out[190:], np.float32) == 0).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_grouped_matmul_k_splits(fmt, interpret):
+    """The contraction cut into slices (decode tiling: fp32 partial sums added after the
+    kernel) gives the reference's result, ragged groups and trailing rows included."""
+    rng = np.random.default_rng(20 + moe_gmm.FORMATS.index(fmt))
+    M, K, O, E = 136, 512, 128, 4
+    sizes = jnp.asarray([70, 0, 3, 45], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w, s = _weights(rng, fmt, E, O, K)
+    splits = 2 if fmt == "fp4" else 4  # fp4 steps are 128 wide: 4 K steps here
+    out = moe_gmm.grouped_matmul(x, w, s, sizes, fmt, interpret=interpret, k_splits=splits)
+    ref = moe_gmm_ref._grouped(x, moe_gmm_ref.dequant_experts(w, s, fmt), sizes)
+    n = int(sizes.sum())
+    _close(out[:n], ref[:n], f"grouped {fmt} k_splits={splits}")
+    assert (np.asarray(out[n:], np.float32) == 0).all()
+
+
+def test_k_splits_must_divide_the_k_steps():
+    x = jnp.ones((8, 128), jnp.bfloat16)
+    w = jnp.ones((2, 64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="k_splits=3"):
+        moe_gmm.grouped_matmul(x, w, None, jnp.asarray([4, 4], jnp.int32), "bf16", interpret=True, k_splits=3)
+
+
 def _moe_case(rng, fmt, T, X, D, F, E):
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
     # ids in [-1, E]: -1 and E are out of range and must give zeros
@@ -202,6 +230,22 @@ def test_moe_experts(fmt, limit, E, interpret):
     bad = ~((args[1] >= 0) & (args[1] < E))
     assert bool(bad.any()) and (np.asarray(out, np.float32)[np.asarray(bad)] == 0).all()
     truth = _moe_truth(*args, fmt, limit, E)
+    assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moe_experts_k_splits(fmt, interpret):
+    """Both kernels with the contraction split (the fused gate+up then finishes SwiGLU and the
+    routing weight after the partial sums are added) against the reference."""
+    rng = np.random.default_rng(31)
+    T, X, D, F, E = 10, 3, 256, 128, 4
+    args = _moe_case(rng, fmt, T, X, D, F, E)
+    up = tiling.GmmTiling(block_m=64, block_n=64, block_k=64, stages=2, grid_tile_width=F // 64, k_splits=2)
+    dn = tiling.GmmTiling(block_m=64, block_n=128, block_k=64, stages=2, grid_tile_width=D // 128, k_splits=2)
+    out = moe_gmm.moe_experts(*args, fmt, 0.75, E, interpret=interpret, tiles_up=up, tiles_down=dn)
+    ref = moe_gmm_ref.moe_experts_ref(*args, fmt, 0.75, E)
+    _close(out, ref, f"moe {fmt} k_splits")
+    truth = _moe_truth(*args, fmt, 0.75, E)
     assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
 
 
@@ -231,6 +275,38 @@ def test_lowers_for_hopper(fmt, T):
     except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU dialect
         pytest.skip(f"no Mosaic GPU lowering here: {e}")
     assert exp.mlir_module().count("mosaic_gpu") >= 2  # the two kernels (gate+up, down)
+
+
+@pytest.mark.parametrize("fmt,block_n,splits", [("bf16", 192, 4), ("bf16", 256, 2), ("fp8", 128, 2)])
+def test_decode_tilings_lower_for_hopper(fmt, block_n, splits):
+    """The decode tilings the cost model can pick (wide column tiles, split contraction with
+    fp32 partial tiles) pass Mosaic GPU's lowering and shared-memory check for SM90, for the
+    plain and the fused gate+up kernel."""
+    E, M, K = 4, 64, 512
+    O = 2 * block_n
+    cfg = tiling.GmmTiling(block_m=64, block_n=block_n, block_k=64, stages=3, grid_tile_width=2, k_splits=splits)
+    fused_cfg = dataclasses.replace(cfg, block_n=min(block_n, 128), grid_tile_width=O // min(block_n, 128))
+    lay_sds = _sds((tiling.num_tiles_bound(M, E, 64),), jnp.int32)
+    n_tiles = lay_sds.shape[0]
+    x_sds = _sds((n_tiles * 64, K), jnp.bfloat16)
+    w_sds = _weight_sds(fmt, E, O, K)
+    w_op = lambda w, s: moe_gmm._weight_operand(w, s, fmt, O)
+
+    def plain(tg, x, w, s):
+        return moe_gmm._hopper_gmm(tg, x, [w_op(w, s)], None, fmt=fmt, n_out=O, k_in=K, cfg=cfg,
+                                   swiglu_limit=0.0, interpret=False)
+
+    def fused(tg, x, w, s, rw):
+        return moe_gmm._hopper_gmm(tg, x, [w_op(w, s), w_op(w, s)], rw, fmt=fmt, n_out=O, k_in=K,
+                                   cfg=fused_cfg, swiglu_limit=0.75, interpret=False)
+
+    try:
+        e1 = jax.export.export(jax.jit(plain), platforms=["cuda"])(lay_sds, x_sds, *w_sds)
+        e2 = jax.export.export(jax.jit(fused), platforms=["cuda"])(lay_sds, x_sds, *w_sds,
+                                                                   _sds((n_tiles * 64,), jnp.float32))
+    except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU dialect
+        pytest.skip(f"no Mosaic GPU lowering here: {e}")
+    assert "mosaic_gpu" in e1.mlir_module() and "mosaic_gpu" in e2.mlir_module()
 
 
 # ----------------------------------------------------------------------------- device only

@@ -87,11 +87,18 @@ def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, f
       64-row tile, one ``wgmma`` m64, wastes the least tensor-core work on padding rows); 128
       above (prefill: each weight tile is re-read ``M / block_m`` times, so taller tiles halve
       that traffic and keep the tensor cores fed).
-    * ``block_n``: 128 or 64 output columns (``wgmma`` n128/n64), limited by the accumulator
-      registers: one warpgroup holds ``block_m * block_n * n_acc / 128`` fp32 per thread (255
-      registers max; we allow 128, the fused gate+up kernel has two accumulators). Among the
-      sizes that fit, the largest whose (row tile x column tile) items fill the SMs' waves to
-      >= 80% (decode has few row tiles, so 64 is often picked there to use all 132 SMs).
+    * ``block_n`` (output columns, the ``wgmma`` N), limited by the accumulator registers: one
+      warpgroup holds ``block_m * block_n * n_acc / 128`` fp32 per thread (we allow 128; the
+      fused gate+up kernel has two accumulators). Prefill: 128 or 64, the largest whose (row
+      tile x column tile) items fill the SMs' waves to >= 80%. Decode streams each weight once
+      and has few row tiles (``expected_active_tiles``: ~12 for 512 rows over 8 experts), so
+      the 132 SMs' waves fill coarsely: there ``block_n`` in {256, 192, 128, 64} minimises
+      ``_decode_cost`` (waves x bytes per work item). Measured on the H200 at V4.1 shapes
+      (``moe_gmm_tiling_sweep.py``, 2026-11-29), the widest tile wins whenever the waves are
+      equally full (down projection, 512 rows: 256 columns 0.88 of copy, 128: 0.76, 64: 0.65),
+      and splitting the contraction (``k_splits``, fp32 partials + a sum pass) was slower in
+      every decode case measured (e.g. 0.88 -> 0.58 at 2 splits), so it is never picked here;
+      it stays available as an explicit tiling.
     * ``block_k``: one 128-byte swizzle atom of bf16 (64, i.e. four ``wgmma`` m64nNk16 steps)
       for bf16 and fp8; 128 for fp4 so
       that each nibble half (even / odd inputs) is again 64 wide. Multiples of the 32-wide
@@ -111,12 +118,37 @@ def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, f
         raise ValueError(f"fmt={fmt!r}: expected one of {FORMATS}")
     bm = tiling.pick_block_m(m_rows, n_groups, HOPPER_MMA_M, (64, 128))
     n_acc = 2 if fused else 1
-    bn_cands = tuple(c for c in (128, 64) if bm * c * n_acc <= 128 * 128) or (64,)
-    row_tiles = tiling.expected_active_tiles(m_rows, n_groups, bm)
-    bn = tiling.pick_block_n(n_out, bn_cands, row_tiles, num_sms)
     bk = tiling.pick_block(k_in, (128,) if fmt == "fp4" else (64,))
+    row_tiles = tiling.expected_active_tiles(m_rows, n_groups, bm)
+    decode = bm == HOPPER_MMA_M
+    if not decode:
+        bn_cands = tuple(c for c in (128, 64) if bm * c * n_acc <= 128 * 128) or (64,)
+        bn = tiling.pick_block_n(n_out, bn_cands, row_tiles, num_sms)
+        stages = _hopper_stages(bm, bn, bk, fmt, n_acc, fused)
+        return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages,
+                         grid_tile_width=min(8, n_out // bn))
+    best = None
+    for bn in (256, 192, 128, 64):
+        if n_out % bn or bm * bn * n_acc > 128 * 128:
+            continue
+        try:
+            stages = _hopper_stages(bm, bn, bk, fmt, n_acc, fused)
+        except ValueError:
+            continue
+        cost = _decode_cost(bn, row_tiles=row_tiles, n_out=n_out, k_in=k_in, bm=bm, fmt=fmt, n_acc=n_acc,
+                            num_sms=num_sms)
+        if best is None or cost < best[0]:
+            best = (cost, bn, stages)
+    if best is None:
+        raise ValueError(f"no Hopper tiling for O={n_out}, K={k_in} ({fmt}): O must be a multiple of 64")
+    _, bn, stages = best
+    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=n_out // bn)
+
+
+def _hopper_stages(bm: int, bn: int, bk: int, fmt: str, n_acc: int, fused: bool, split: bool = False) -> int:
+    """Pipeline depth that fits the shared memory next to the fixed buffers (see hopper_tiling)."""
     stage = bm * bk * 2  # activation tile (bf16)
-    fixed = bm * bn * 2  # epilogue tile (bf16)
+    fixed = bm * bn * 4 * n_acc if split else bm * bn * 2  # epilogue tile(s): fp32 partials when split
     for _ in range(n_acc):
         if fmt == "bf16":
             stage += bn * bk * 2
@@ -125,10 +157,24 @@ def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, f
             fixed += 2 * bn * bk * 2  # double-buffered bf16 dequant scratch
     if fused:
         fixed += bm * 4  # routing weights
-    stages = tiling.pick_stages(stage, fixed + 4096, HOPPER_SMEM_BYTES, lo=2, hi=6)
-    decode = bm == HOPPER_MMA_M
-    width = n_out // bn if decode else min(8, n_out // bn)
-    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=width)
+    return tiling.pick_stages(stage, fixed + 4096, HOPPER_SMEM_BYTES, lo=2, hi=6)
+
+
+_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 1 / 32, "fp4": 0.5 + 1 / 32}  # per weight element, with scales
+_ITEM_OVERHEAD_BYTES = 128 * 1024  # fill + epilogue of one work item, in bytes at one SM's share (fitted to the sweep)
+_L2_READ_WEIGHT = 0.25  # an activation byte re-read from L2 costs this fraction of an HBM byte
+
+
+def _decode_cost(bn: int, *, row_tiles: int, n_out: int, k_in: int, bm: int, fmt: str, n_acc: int,
+                 num_sms: int) -> float:
+    """Modelled time (in bytes through one SM) of a decode launch, which streams every weight
+    once: the busiest SM's waves times the bytes of one work item (its weight tiles, its
+    activation rows re-read from L2, a fixed fill/epilogue cost). A model to rank tilings;
+    ``scripts/kernel_bench/moe_gmm_tiling_sweep.py`` measures the alternatives."""
+    items = row_tiles * (n_out // bn)
+    waves = tiling.cdiv(items, num_sms)
+    per_item = k_in * bn * n_acc * _WEIGHT_BYTES[fmt] + _L2_READ_WEIGHT * k_in * bm * 2 + _ITEM_OVERHEAD_BYTES
+    return waves * per_item
 
 
 # ----------------------------------------------------------------------------- dequant helpers
@@ -203,8 +249,14 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
     """One launch. ``x``: ``[Mp, K]`` bf16 in the aligned layout (fp4: de-interleaved);
     ``weights``: one ``(values [E, O, K or K/2], scales [E, K/32, O] or None)`` for a plain
     matmul, two (w1, w3) for the fused gate+up (``route_w [Mp]`` f32 then required).
-    Returns bf16 ``[Mp, n_out]``."""
+    Returns bf16 ``[Mp, n_out]``. Rows of unused tiles (``tile_group < 0``) are unspecified.
+
+    With ``cfg.k_splits = S > 1`` each (row tile, column tile) is S work items over K/S each,
+    storing fp32 partial sums ``[S, Mp, n_w * n_out]``; the sum over S (fixed order: the result
+    does not depend on scheduling), the SwiGLU epilogue and the bf16 rounding then run as one
+    fused XLA pass."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
+    splits = cfg.k_splits
     fused = len(weights) == 2
     n_tiles = tile_group.shape[0]
     mp = x.shape[0]
@@ -215,21 +267,26 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
         raise ValueError(f"block_m={bm} must be a multiple of 64, block_n={bn} of 8 (64 for {fmt})")
     nk = k_in // bk
     nn = n_out // bn
+    if nk % splits:
+        raise ValueError(f"k_splits={splits} must divide the {nk} K steps (K={k_in}, block_k={bk})")
+    if splits > 1 and cfg.grid_tile_width < nn:
+        raise ValueError("k_splits > 1 needs the row-major item order (grid_tile_width >= O / block_n)")
+    nks = nk // splits
     kx = bk // 2 if fmt == "fp4" else bk  # activation columns per wgmma operand
     wk = bk // 2 if fmt == "fp4" else bk  # weight-storage columns per step
     n_w = len(weights)
 
     # ---- pipeline specs: x (one or two halves), then per weight: values (+ scales)
-    def specs(mi, ni):
-        out = [plgpu.BlockSpec((bm, kx), lambda k: (mi, k), delay_release=1)]
+    def specs(mi, ni, k0):
+        out = [plgpu.BlockSpec((bm, kx), lambda k: (mi, k0 + k), delay_release=1)]
         if fmt == "fp4":
-            out.append(plgpu.BlockSpec((bm, kx), lambda k: (mi, k + nk), delay_release=1))
+            out.append(plgpu.BlockSpec((bm, kx), lambda k: (mi, k0 + k + nk), delay_release=1))
         for _ in range(n_w):
             if fmt == "bf16":
-                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k), delay_release=1))
+                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k0 + k), delay_release=1))
             else:
-                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k)))
-                out.append(plgpu.BlockSpec((bk // QBLOCK, bn), lambda k: (k, ni)))
+                out.append(plgpu.BlockSpec((bn, wk), lambda k: (ni, k0 + k)))
+                out.append(plgpu.BlockSpec((bk // QBLOCK, bn), lambda k: (k0 + k, ni)))
         return out
 
     n_xin = 2 if fmt == "fp4" else 1
@@ -248,36 +305,38 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
                 w_gmems.append((refs[pos], refs[pos + 1]))
                 pos += 2
         rw_gmem = None
-        if fused:
+        if fused and splits == 1:
             rw_gmem = refs[pos]
             pos += 1
         o_gmem = refs[pos]
 
-        @plgpu.nd_loop((n_tiles * nn,), collective_axes="sm")
+        @plgpu.nd_loop((n_tiles * nn * splits,), collective_axes="sm")
         def _tile_loop(loop_info):
             lin = loop_info.index[0]
             if cfg.grid_tile_width >= nn:  # row-major: the live row tiles (first) are dealt evenly
-                mi, ni = lax.div(lin, jnp.int32(nn)), lax.rem(lin, jnp.int32(nn))
+                mi, rest = lax.div(lin, jnp.int32(nn * splits)), lax.rem(lin, jnp.int32(nn * splits))
+                ni, si = lax.div(rest, jnp.int32(splits)), lax.rem(rest, jnp.int32(splits))
             else:  # sweep column tiles in groups for L2 reuse
                 mi, ni = plgpu.planar_snake(lin, (n_tiles, nn), 1, cfg.grid_tile_width)
+                si = jnp.int32(0)
             g = tg_gmem[mi]
 
             @pl.when(g >= 0)
             def _active():
-                _one_tile(mi, ni, g, x_gmem, w_gmems, rw_gmem, o_gmem)
+                _one_tile(mi, ni, si, g, x_gmem, w_gmems, rw_gmem, o_gmem)
 
-    def _one_tile(mi, ni, g, x_gmem, w_gmems, rw_gmem, o_gmem):
+    def _one_tile(mi, ni, si, g, x_gmem, w_gmems, rw_gmem, o_gmem):
         # shared-memory scratch and register accumulators are scoped separately (interpret
         # mode does not allow mixing the two memory spaces in one run_scoped)
         scoped = {}
         if n_deq:
             scoped["deq"] = [plgpu.SMEM((2, bn, kx), jnp.bfloat16) for _ in range(n_deq)]
-        if fused:
+        if rw_gmem is not None:
             scoped["rw_smem"] = plgpu.SMEM((bm,), jnp.float32)
             scoped["rw_bar"] = plgpu.Barrier(num_arrivals=1)
 
         def with_scratch(deq=(), rw_smem=None, rw_bar=None):
-            if fused:  # routing weights of this row tile, in flight during the main loop
+            if rw_gmem is not None:  # routing weights of this row tile, in flight during the main loop
                 plgpu.copy_gmem_to_smem(rw_gmem.at[pl.ds(mi * bm, bm)], rw_smem, rw_bar)
 
             def step(accs, idx, *smem):
@@ -320,11 +379,13 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
 
             def with_accs(*accs):
                 # (emit_pipeline trims the depth to nk itself, after checking it exceeds delay_release)
-                plgpu.emit_pipeline(functools.partial(step, accs), grid=(nk,), in_specs=specs(mi, ni),
+                plgpu.emit_pipeline(functools.partial(step, accs), grid=(nks,), in_specs=specs(mi, ni, si * nks),
                                     max_concurrent_steps=max(stages, 2))(*operands)
                 return [a[...] for a in accs]  # waits for the last wgmmas
 
             vals = pl.run_scoped(with_accs, *[plgpu.ACC((bm, bn)) for _ in range(n_w)])
+            if splits > 1:
+                return vals  # fp32 partial sums
             if fused:
                 plgpu.barrier_wait(rw_bar)
                 rw = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -332,6 +393,18 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
             return vals[0].astype(jnp.bfloat16)
 
         out = pl.run_scoped(with_scratch, **scoped) if scoped else with_scratch()
+
+        if splits > 1:
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((n_w, bm, bn), jnp.float32))
+            def _store_partials(o_smem):
+                for wi in range(n_w):
+                    o_smem[wi] = out[wi]
+                plgpu.commit_smem()
+                for wi in range(n_w):
+                    plgpu.copy_smem_to_gmem(o_smem.at[wi], o_gmem.at[si, pl.ds(mi * bm, bm),
+                                                                     pl.ds(wi * n_out + ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return
 
         @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), jnp.bfloat16))
         def _store(o_smem):
@@ -345,17 +418,26 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
         args.append(w)
         if fmt != "bf16":
             args.append(s)
-    if fused:
+    if fused and splits == 1:
         args.append(route_w)
+    out_type = (jax.ShapeDtypeStruct((splits, mp, n_w * n_out), jnp.float32) if splits > 1
+                else jax.ShapeDtypeStruct((mp, n_out), jnp.bfloat16))
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((mp, n_out), jnp.bfloat16),
+        out_type=out_type,
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(*args)
+    if splits == 1:
+        return call(*args)
+    acc = jnp.sum(call(*args), axis=0)  # [Mp, n_w * n_out] fp32, fixed summation order
+    live = jnp.repeat(tile_group >= 0, bm)[:, None]
+    acc = jnp.where(live, acc, 0.0)  # rows of unused tiles were never written
+    if fused:
+        return _swiglu_epilogue(acc[:, :n_out], acc[:, n_out:], route_w, swiglu_limit)
+    return acc.astype(jnp.bfloat16)
 
 
 def _swiglu_epilogue(gate_acc, up_acc, rw, limit: float):
@@ -396,16 +478,20 @@ def _deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[:, 0::2], x[:, 1::2]], axis=1)
 
 
-def _tiles_for(m_rows, n_groups, n_out, k_in, fmt, fused, block_m, block_n, block_k, stages):
+def _tiles_for(m_rows, n_groups, n_out, k_in, fmt, fused, block_m, block_n, block_k, stages, k_splits=None):
     cfg = hopper_tiling(m_rows, n_groups, n_out, k_in, fmt, fused)
-    return GmmTiling(block_m=block_m or cfg.block_m, block_n=block_n or cfg.block_n,
-                     block_k=block_k or cfg.block_k, stages=stages or cfg.stages,
-                     grid_tile_width=cfg.grid_tile_width)
+    bn = block_n or cfg.block_n
+    splits = k_splits or (cfg.k_splits if (block_m, block_n, block_k) == (None, None, None) else 1)
+    return GmmTiling(block_m=block_m or cfg.block_m, block_n=bn, block_k=block_k or cfg.block_k,
+                     stages=stages or cfg.stages,
+                     grid_tile_width=n_out // bn if splits > 1 else min(cfg.grid_tile_width, n_out // bn),
+                     k_splits=splits)
 
 
 def grouped_matmul(x_MK: jax.Array, w_EOK: jax.Array, scale: jax.Array | None, group_sizes_E: jax.Array,
                    fmt: str, *, interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
-                   block_k: int | None = None, stages: int | None = None) -> jax.Array:
+                   block_k: int | None = None, stages: int | None = None,
+                   k_splits: int | None = None) -> jax.Array:
     """``out[r] = x[r] @ W_e^T`` for the rows ``r`` of group ``e`` (rows sorted by group, group
     ``e`` owning ``group_sizes[e]`` consecutive rows); rows past ``sum(group_sizes)`` give zeros.
 
@@ -416,7 +502,7 @@ def grouped_matmul(x_MK: jax.Array, w_EOK: jax.Array, scale: jax.Array | None, g
     M, K = x_MK.shape
     E, O = w_EOK.shape[:2]
     _check_fmt(w_EOK, scale, fmt, K)
-    cfg = _tiles_for(M, E, O, K, fmt, False, block_m, block_n, block_k, stages)
+    cfg = _tiles_for(M, E, O, K, fmt, False, block_m, block_n, block_k, stages, k_splits)
     lay = tiling.aligned_layout(group_sizes_E, M, cfg.block_m)
     src, valid = lay.padded_row_source()
     x = x_MK.astype(jnp.bfloat16)

@@ -11,6 +11,7 @@ pipeline depth) are passed in by the per-generation code (``moe_gmm.py``: ``hopp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -32,7 +33,10 @@ class GmmTiling:
     ``block_m``: rows (tokens) per tile, also the group alignment; ``block_n``: output columns
     per tile; ``block_k``: contraction elements per pipeline step; ``stages``: pipeline depth
     (tiles in flight in shared memory); ``grid_tile_width``: how many output-column tiles a
-    wave of CTAs sweeps together before moving on to the next rows (L2 locality).
+    wave of CTAs sweeps together before moving on to the next rows (L2 locality);
+    ``k_splits``: the contraction is cut into this many equal slices, each its own work item
+    writing fp32 partial sums that a second (fused, fixed-order) pass adds up: more work items
+    than (row tile x column tile) alone when those fill the processors' waves badly (decode).
     """
 
     block_m: int
@@ -40,6 +44,7 @@ class GmmTiling:
     block_k: int
     stages: int
     grid_tile_width: int = 1
+    k_splits: int = 1
 
 
 # ----------------------------------------------------------------------------- regime / blocks
@@ -75,10 +80,25 @@ def pick_block(dim: int, candidates: Sequence[int]) -> int:
 
 
 def expected_active_tiles(m_rows: int, n_groups: int, block_m: int) -> int:
-    """Row tiles in use when the rows are spread evenly over the groups (the static bound
-    ``num_tiles_bound`` is what the grid is sized for; unused tiles exit at once)."""
-    per_group = cdiv(max(m_rows, 1), max(n_groups, 1))
-    return min(n_groups * cdiv(per_group, block_m), num_tiles_bound(m_rows, n_groups, block_m))
+    """Row tiles in use, expected when each of ``m_rows`` rows picks one of ``n_groups`` groups
+    uniformly (group sizes ~ Binomial(M, 1/E), normal approximation): ``E * sum_j P(g > j*bm)``.
+    Imbalance matters at decode: 512 rows over 8 experts average 64 a group, one 64-row tile
+    each on paper, but about half the groups get more than 64 and a second tile (~12 tiles, not
+    8). Capped by the static bound ``num_tiles_bound`` that the grid is sized for."""
+    if m_rows <= 0:
+        return 1
+    p = 1.0 / max(n_groups, 1)
+    mu = m_rows * p
+    sd = max(math.sqrt(m_rows * p * (1 - p)), 1e-9)
+    per_group, j = 0.0, 0
+    while j * block_m < m_rows:
+        tail = 0.5 * math.erfc((j * block_m + 0.5 - mu) / (sd * math.sqrt(2)))  # P(g > j*bm)
+        per_group += tail
+        if tail < 1e-4 and j * block_m > mu:
+            break
+        j += 1
+    est = max(1, round(n_groups * per_group))
+    return min(est, num_tiles_bound(m_rows, n_groups, block_m))
 
 
 def wave_efficiency(n_items: int, n_workers: int) -> float:
@@ -100,6 +120,11 @@ def pick_block_n(n_out: int, candidates: Sequence[int], row_tiles: int, n_worker
         if eff[c] >= min_efficiency:
             return c
     return max(fits, key=lambda c: (eff[c], c))
+
+
+def divisors(n: int, at_most: int) -> tuple[int, ...]:
+    """Divisors of ``n`` in ``[1, at_most]``, ascending."""
+    return tuple(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
 def pick_stages(bytes_per_stage: int, fixed_bytes: int, budget_bytes: int, lo: int, hi: int) -> int:
