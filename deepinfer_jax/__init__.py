@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib
 
+from deepinfer_jax import xla_numerics as _xla_numerics
+
+_xla_numerics.apply()  # before any JAX backend starts (see xla_numerics.py)
+
 _EXPORTS = {
     "LLM": "deepinfer_jax.entrypoints.llm",
     "SamplingParams": "deepinfer_jax.sampling.params",
