@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -60,6 +61,50 @@ def fill_random(cache, seed: int):
     return jax.tree.unflatten(tree, out)
 
 
+def random_model_on_device(cfg, seed: int):
+    """The model with every parameter drawn on the device (seconds, where writing and reading a
+    6 GiB random checkpoint through the host takes minutes). Distributions only need to keep
+    the forward finite and the routing spread: weights ~ N(0, 1/fan_in), norms and scales near
+    1, ue8m0 block scales 2^-8..2^-5, fp4 bytes uniform (every e2m1 code)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from deepinfer_jax.models.weights import abstract_model, param_path_name
+
+    graphdef, abstract = abstract_model(cfg)
+    flat = list(nnx.to_flat_state(abstract))
+    key = jax.random.key(seed)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def draw(k, shape, dtype, rule):
+        if rule == "scale":
+            return jax.random.randint(k, shape, 119, 123).astype(dtype)
+        if rule == "bytes":
+            return jax.random.randint(k, shape, 0, 256).astype(dtype)
+        x = jax.random.normal(k, shape, jnp.float32)
+        if rule == "one":
+            return (1.0 + 0.1 * x).astype(dtype)
+        if rule == "fp8":
+            return jnp.clip(x, -6, 6).astype(dtype)
+        return (x * shape[-1] ** -0.5 if len(shape) >= 2 else 0.5 * x).astype(dtype)
+
+    values = []
+    for i, (path, var) in enumerate(flat):
+        name = param_path_name(path)
+        dtype = jnp.dtype(var.dtype)
+        if dtype == jnp.uint8:
+            rule = "scale" if name.endswith("scale") else "bytes"
+        elif dtype == jnp.float8_e4m3fn:
+            rule = "fp8"
+        elif len(var.shape) == 1 and (name.endswith(("norm.weight", "_scale")) or "norm" in name):
+            rule = "one"
+        else:
+            rule = "normal"
+        values.append((path, var.replace(draw(jax.random.fold_in(key, i), tuple(var.shape), dtype, rule))))
+    return nnx.merge(graphdef, nnx.from_flat_state(values))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny widths (CPU smoke run)")
@@ -68,7 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-requests", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--model-dir", default=None, help="reuse a checkpoint written by an earlier run")
+    ap.add_argument("--cases", default="decode,prefill", help="comma-separated subset of decode,prefill")
+    ap.add_argument("--model-dir", default=None,
+                    help="load this checkpoint instead of drawing random weights on the device")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -80,17 +127,19 @@ def main(argv=None) -> int:
     from deepinfer_jax.models.cache import CacheConfig, allocate_cache
     from deepinfer_jax.models.engram_hash import EngramHasher
     from deepinfer_jax.models.forward_batch import RowSpec, build_batch
-    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+    from deepinfer_jax.models.random_checkpoint import write_random_model_config
     from deepinfer_jax.models.weights import load_model
 
-    cfg = slice_config(args.small, args.experts, args.context)
-    model_dir = args.model_dir or tempfile.mkdtemp(prefix="v41_slice_")
     t0 = time.perf_counter()
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        write_random_checkpoint(cfg, model_dir, seed=0, progress=True)
-    model = load_model(model_dir, progress=True)
+    if args.model_dir:
+        model_dir = args.model_dir
+        model = load_model(model_dir, progress=True)
+    else:  # tokenizer + config on disk (the Engram hasher needs them), weights drawn on the device
+        model_dir = tempfile.mkdtemp(prefix="v41_slice_")
+        cfg = write_random_model_config(slice_config(args.small, args.experts, args.context), model_dir)
+        model = random_model_on_device(cfg, seed=0)
     cfg = model.cfg
-    print(f"checkpoint + load {time.perf_counter() - t0:.1f}s ({model_dir})")
+    print(f"model ready in {time.perf_counter() - t0:.1f}s ({model_dir})", flush=True)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     tok = os.path.join(model_dir, "tokenizer.json")
@@ -120,7 +169,11 @@ def main(argv=None) -> int:
                            n_engram_layers=hasher.n_layers if hasher else 0,
                            n_hash_cols=hasher.n_hash_cols if hasher else 0)
 
-    cases = {"decode": batch_of(rows_decode(), R), "prefill": batch_of(rows_prefill(), args.prefill_tokens)}
+    makers = {"decode": lambda: batch_of(rows_decode(), R), "prefill": lambda: batch_of(rows_prefill(), args.prefill_tokens)}
+    wanted = [c for c in args.cases.split(",") if c]
+    if not wanted or any(c not in makers for c in wanted):
+        raise SystemExit(f"--cases {args.cases!r}: expected a comma-separated subset of {tuple(makers)}")
+    cases = {c: makers[c]() for c in wanted}
     table = []
     for backend in ("reference", "auto"):
         ops.set_backend(backend)

@@ -239,15 +239,10 @@ def write_random_tokenizer(cfg: Any, out_dir: str | os.PathLike) -> str:
 # --------------------------------------------------------------------------- checkpoint
 
 
-def write_random_checkpoint(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, tokenizer: bool = True,
-                            max_shard_bytes: int = 2**30, progress: bool = True) -> str:
-    """Write a random checkpoint for ``cfg`` into ``out_dir``; returns ``out_dir``.
-
-    With ``tokenizer=True`` a tokenizer is written first and ``engram_compressed_vocab_size``
-    is set from it (``engram_hash.compressed_token_map``). ``engram_num_embeddings`` is always
-    set to the rows implied by the Engram primes. The (possibly updated) config is what
-    ``config.json`` holds and what the tensors follow.
-    """
+def write_random_model_config(cfg: Any, out_dir: str | os.PathLike, tokenizer: bool = True) -> Any:
+    """The non-tensor part of a random checkpoint: ``tokenizer.json`` (when ``tokenizer``) and
+    ``config.json`` in ``out_dir``; returns the config they imply (see ``write_random_checkpoint``).
+    Benchmarks that draw the weights on the device use this alone."""
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     changes: dict[str, Any] = {}
@@ -268,6 +263,20 @@ def write_random_checkpoint(cfg: Any, out_dir: str | os.PathLike, seed: int = 0,
 
         eh.EngramHasher.from_model_config(cfg, tokenizer_path=tok_path)  # raises on mismatch
     cfg.to_json(os.path.join(out_dir, "config.json"))
+    return cfg
+
+
+def write_random_checkpoint(cfg: Any, out_dir: str | os.PathLike, seed: int = 0, tokenizer: bool = True,
+                            max_shard_bytes: int = 2**30, progress: bool = True) -> str:
+    """Write a random checkpoint for ``cfg`` into ``out_dir``; returns ``out_dir``.
+
+    With ``tokenizer=True`` a tokenizer is written first and ``engram_compressed_vocab_size``
+    is set from it (``engram_hash.compressed_token_map``). ``engram_num_embeddings`` is always
+    set to the rows implied by the Engram primes. The (possibly updated) config is what
+    ``config.json`` holds and what the tensors follow.
+    """
+    out_dir = os.fspath(out_dir)
+    cfg = write_random_model_config(cfg, out_dir, tokenizer)
 
     spec = checkpoint_spec(cfg)
     entries = [(n, s.file_dtype, s.shape) for n, s in spec.items()]

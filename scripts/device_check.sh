@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU correctness pass in one call (for the lent device machine, or any CUDA box):
+#   1. the kernels' compiled tests (`-m device`), one pytest process per kernel, in parallel;
+#   2. the model's golden tests, the engine tests and the cache-consistency tests with the
+#      kernels switched on (DEEPINFER_KERNELS=auto: the GPU default);
+#   3. optionally (E2E=1) scripts/bench_e2e.py once the tests are done (a quiet GPU for timing).
+# $OUT (default ./device_out) gets summary.txt, logs.tgz (every log) and e2e.json; the summary
+# is also printed last. EXTRA='cmd' runs one more command beside the tests (its log: extra.log).
+#
+#   OUT=/tmp/out bash scripts/device_check.sh          # tests only
+#   E2E=1 bash scripts/device_check.sh                 # tests, then the end-to-end bench
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/device_out}"
+mkdir -p "$OUT"
+LOGS="$(mktemp -d)/logs"
+mkdir -p "$LOGS"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export DEEPINFER_KERNELS=auto
+# the golden tensors live beside the checkout (../shared/golden), which the device machine does
+# not get: carry a copy in an ignored folder (.device_carry/golden) and point the tests at it
+if [ -z "${DEEPINFER_GOLDEN:-}" ] && [ -d .device_carry/golden/v41_tiny ]; then
+  export DEEPINFER_GOLDEN="$PWD/.device_carry/golden/v41_tiny"
+fi
+TEST_TIMEOUT="${TEST_TIMEOUT:-330}"
+E2E_TIMEOUT="${E2E_TIMEOUT:-240}"
+
+run_tests() {  # name, pytest args...
+  local name=$1; shift
+  timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "$@" \
+    >"$LOGS/$name.log" 2>&1
+  echo $? >"$LOGS/$name.rc"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOGS/gpu.txt" 2>&1
+"$PY" -c "import jax; print(jax.__version__, jax.devices())" >>"$LOGS/gpu.txt" 2>&1
+
+run_tests moe_kernel -m device tests/test_moe_gmm_kernel.py &
+run_tests sparse_kernel -m device tests/test_sparse_attention_kernel.py &
+run_tests indexer_kernel -m device tests/test_indexer_topk_kernel.py &
+run_tests model_kernels_on -m "not slow" -rs tests/test_golden.py tests/test_cache_consistency.py tests/test_engine.py &
+if [ -n "${EXTRA:-}" ]; then
+  (timeout "$TEST_TIMEOUT" bash -c "$EXTRA" >"$LOGS/extra.log" 2>&1; echo $? >"$LOGS/extra.rc") &
+fi
+wait
+
+if [ "${E2E:-0}" = 1 ]; then
+  timeout "$E2E_TIMEOUT" "$PY" scripts/bench_e2e.py --out "$OUT/e2e.json" >"$LOGS/e2e.log" 2>&1
+  echo $? >"$LOGS/e2e.rc"
+fi
+
+{
+  echo "== summary"
+  cat "$LOGS/gpu.txt"
+  for f in "$LOGS"/*.rc; do
+    n=$(basename "$f" .rc)
+    printf '%-18s rc=%s  %s\n' "$n" "$(cat "$f")" "$(grep -E '(passed|failed|error)' "$LOGS/$n.log" | tail -1)"
+  done
+  for n in moe_kernel sparse_kernel indexer_kernel model_kernels_on; do
+    grep -E '^(FAILED|ERROR|SKIPPED)' "$LOGS/$n.log" | head -12
+  done
+  [ -f "$LOGS/e2e.log" ] && grep -v "it/s\|tensor/s" "$LOGS/e2e.log" | tail -15
+} >"$OUT/summary.txt" 2>&1
+tar -czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs
+cat "$OUT/summary.txt"
+exit 0
