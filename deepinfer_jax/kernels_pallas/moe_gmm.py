@@ -578,15 +578,23 @@ def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: flo
 
 
 def moe_experts_op(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):
-    """What ``ops.moe_experts`` runs on a GPU: the kernel in a single-device process. With more
-    devices the expert weights are sharded over the mesh and a custom call inside GSPMD would
-    make XLA gather them all onto every device, so the partitioned reference runs until a
-    ``shard_map`` wrapper (local experts per device) exists."""
-    from deepinfer_jax.kernels_pallas import moe_gmm_ref
+    """What ``ops.moe_experts`` runs on a GPU. One device: the kernel. Several devices: the
+    kernel per device under ``shard_map`` over the local experts (``moe_ep.py``) when the step
+    is traced with a context mesh (the engine's runner sets it); without one the partitioned
+    reference runs, since GSPMD would gather every expert's weights onto every device for a
+    custom call. Widths the kernel does not tile, and non-SM90 GPUs, run the reference."""
+    from deepinfer_jax.kernels_pallas import moe_ep, moe_gmm_ref
 
-    if jax.device_count() > 1 or not is_hopper() or not shapes_supported(x_TD, idx_TX, w1, fmt, n_experts):
-        return moe_gmm_ref.moe_experts_ref(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
-    return moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
+    ref = moe_gmm_ref.moe_experts_ref
+    args = (x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
+    if not is_hopper() or not shapes_supported(x_TD, idx_TX, w1, fmt, n_experts):
+        return ref(*args)
+    if jax.device_count() > 1:
+        mesh = moe_ep.context_mesh()
+        if mesh is None:
+            return ref(*args)
+        return moe_ep.moe_experts_ep(moe_experts, *args, mesh=mesh)
+    return moe_experts(*args)
 
 
 def shapes_supported(x_TD, idx_TX, w1, fmt: str, n_experts: int) -> bool:

@@ -12,6 +12,7 @@ running padding-only steps (their cache writes are dropped).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -113,6 +114,7 @@ class ModelRunner:
         from deepinfer_jax.models.weights import load_model
 
         self.ec = ec
+        self.mesh = mesh
         self.cfg = cfg or ModelConfig.from_json(model_dir)
         if ec.kernels is not None:
             ops.set_backend(ec.kernels)
@@ -166,9 +168,12 @@ class ModelRunner:
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=prompt_lp)
         t0 = time.perf_counter()
-        self.cache, out, plp, self.prev_sampled = self._step(
-            self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
-            num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
+        # on a mesh the step is traced with it as the context mesh: ops that shard_map a kernel
+        # (moe_ep.py) read it there; plain GSPMD code is unaffected (the mesh axes are Auto)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            self.cache, out, plp, self.prev_sampled = self._step(
+                self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
+                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         return StepHandle(sched, out, plp, offsets, t0, T)
 
