@@ -139,12 +139,18 @@ def test_compact_equals_mask_and_off_differs_only_on_long_prompts(model_dir):
     compact = LLM(model_dir, **kw).generate([long_p, short_p], sp, use_tqdm=False)
     mask = LLM(model_dir, **dict(kw, yoco_truncation="mask")).generate([long_p, short_p], sp, use_tqdm=False)
     off = LLM(model_dir, **dict(kw, yoco_truncation="off")).generate([long_p, short_p], sp, use_tqdm=False)
+    # compact and mask run differently shaped programs: on the CPU their logprobs agree to 1e-5;
+    # on an H200 (cuBLAS/XLA pick other reduction splits per shape) they differed by up to 6e-3
+    # with the same tokens (diagnostic run of 2026-11-29), hence the per-platform tolerance
+    import jax
+
+    atol = 1e-5 if jax.default_backend() == "cpu" else 2e-2
     for c, m in zip(compact, mask):
         assert c.outputs[0].token_ids == m.outputs[0].token_ids
         lc, tc = _trajectory_logprobs(c)
         lm, tm = _trajectory_logprobs(m)
         assert tc == tm
-        np.testing.assert_allclose(lc, lm, atol=1e-5)
+        np.testing.assert_allclose(lc, lm, atol=atol)
     # a prompt shorter than keep_tokens is not truncated: identical to off
     assert _trajectory_logprobs(compact[1]) == _trajectory_logprobs(off[1])
     # a long one is: the decoder layers saw only the last 8 prompt positions
