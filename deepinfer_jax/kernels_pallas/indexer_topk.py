@@ -533,29 +533,21 @@ def indexer_topk_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, 
 # ------------------------------------------------------------------------- ops registration
 
 
-def _kernel_shapes(q_TIJ) -> bool:
-    """Head count and head dim the kernel tiles (powers of two >= 16), in a one-device process:
-    with several devices a custom call would have its operands gathered onto each device by
-    GSPMD, so the partitioned reference runs until a shard_map wrapper exists (see moe_ep.py)."""
-    I, J = q_TIJ.shape[1:]
-    return not (I & (I - 1) or J & (J - 1) or I < 16 or J < 16) and jax.device_count() == 1
-
-
 def _scores_op(q_TIJ, k_TNJ, w_TI, n_visible_T):
-    if not _kernel_shapes(q_TIJ):
+    I, J = q_TIJ.shape[1:]
+    if I & (I - 1) or J & (J - 1) or I < 16 or J < 16:
         return indexer_topk_ref.indexer_scores_ref(q_TIJ, k_TNJ, w_TI, n_visible_T)
     return indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T)
 
 
 def _scores_pool_op(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T):
-    if not _kernel_shapes(q_TIJ):
+    I, J = q_TIJ.shape[1:]
+    if I & (I - 1) or J & (J - 1) or I < 16 or J < 16:
         return indexer_topk_ref.indexer_scores_pool_ref(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T)
     return indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T)
 
 
 def _topk_op(score_TN, k: int):
-    if jax.device_count() > 1:  # see _kernel_shapes
-        return indexer_topk_ref.topk_positions_ref(score_TN, k)
     return topk_positions(score_TN, k)
 
 

@@ -304,15 +304,15 @@ def sparse_attention(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: tuple
 
 def sparse_attention_op(q_THA, pools, idxs, sink_H, scale: float, exact: bool = True):
     """What ``ops.sparse_attention`` runs on GPU: the kernel, or the reference for what the
-    kernel does not take (a head_dim that is not a power of two, a traced ``scale``) and in a
-    multi-device process (GSPMD would gather a custom call's pools onto every device; the
-    partitioned reference runs until a shard_map wrapper exists, see ``moe_ep.py``)."""
+    kernel does not take (a head_dim that is not a power of two, a traced ``scale``). On a
+    multi-device mesh it is a custom call on replicated operands (the caches are replicated
+    today); slot-sharded caches will need a shard_map wrapper like ``moe_ep.py``."""
     pools, idxs = tuple(pools), tuple(idxs)
     try:
         scale_f = float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError):
         scale_f = None
-    if scale_f is None or supported(q_THA, pools, idxs) is not None or jax.device_count() > 1:
+    if scale_f is None or supported(q_THA, pools, idxs) is not None:
         from deepinfer_jax.kernels_pallas.sparse_attention_ref import sparse_attention_ref
 
         return sparse_attention_ref(q_THA, pools, idxs, sink_H, scale, exact)
