@@ -481,7 +481,7 @@ def _deinterleave(x: jax.Array) -> jax.Array:
 def _tiles_for(m_rows, n_groups, n_out, k_in, fmt, fused, block_m, block_n, block_k, stages, k_splits=None):
     cfg = hopper_tiling(m_rows, n_groups, n_out, k_in, fmt, fused)
     bn = block_n or cfg.block_n
-    splits = k_splits or (cfg.k_splits if (block_m, block_n, block_k) == (None, None, None) else 1)
+    splits = k_splits or cfg.k_splits
     return GmmTiling(block_m=block_m or cfg.block_m, block_n=bn, block_k=block_k or cfg.block_k,
                      stages=stages or cfg.stages,
                      grid_tile_width=n_out // bn if splits > 1 else min(cfg.grid_tile_width, n_out // bn),
