@@ -135,6 +135,17 @@ def test_aligned_layout(sizes, m_rows, bm):
     assert valid[pos[real]].all()
 
 
+@pytest.mark.parametrize("m_rows,n_groups,bm", [(512, 8, 64), (128, 8, 64), (2048, 8, 128), (300, 6, 64)])
+def test_expected_active_tiles_matches_uniform_routing(m_rows, n_groups, bm):
+    """The tile-count estimate the decode tiling relies on equals the mean number of row tiles
+    of uniformly routed rows (simulated), within 10%: e.g. 512 rows over 8 experts need ~12
+    tiles of 64, not 8."""
+    rng = np.random.default_rng(m_rows)
+    sizes = rng.multinomial(m_rows, [1 / n_groups] * n_groups, size=2000)
+    simulated = (-(-sizes // bm)).sum(1).mean()
+    assert abs(tiling.expected_active_tiles(m_rows, n_groups, bm) - simulated) <= 0.1 * simulated
+
+
 def test_hopper_tiling_regimes():
     dec = moe_gmm.hopper_tiling(128, 8, 2304, 5120, "fp8", fused=True)
     pre = moe_gmm.hopper_tiling(32768, 8, 2304, 5120, "fp8", fused=True)
