@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_<device>.json)")
     args = ap.parse_args(argv)
+    import deepinfer_jax  # noqa: F401  (first: it sets the XLA numerics flags before a backend starts)
     import jax
 
     device = jax.devices()[0].device_kind

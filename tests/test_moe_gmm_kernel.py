@@ -159,6 +159,32 @@ def test_hopper_tiling_regimes():
                 assert 2 <= c.stages <= 6
                 assert (k // c.block_k) % c.k_splits == 0
                 assert c.k_splits == 1 or c.block_m == 64  # splitting is a decode tiling
+                assert not c.fp8_mma  # the native fp8 kernel is an explicit choice only
+                # CTAs sharing an SM share its shared memory: the stages must fit the share
+                share = moe_gmm.HOPPER_SMEM_BYTES if c.ctas_per_sm == 1 else (
+                    moe_gmm.HOPPER_SM_SMEM_BYTES // c.ctas_per_sm - 1024)
+                assert c.stages == moe_gmm._hopper_stages(c.block_m, c.block_n, c.block_k, fmt, 2 if fused else 1,
+                                                          fused, ctas_per_sm=c.ctas_per_sm)
+                assert share <= moe_gmm.HOPPER_SMEM_BYTES
+    # decode: the dequantizing formats run two CTAs per SM where a tiling fits the half (fp8
+    # both projections; fp4 the down projection), bf16 (streaming) one
+    assert [moe_gmm.hopper_tiling(512, 8, 2304, 5120, f, True).ctas_per_sm for f in ("bf16", "fp8")] == [1, 2]
+    assert [moe_gmm.hopper_tiling(512, 8, 5120, 2304, f, False).ctas_per_sm for f in ("bf16", "fp8", "fp4")] == [1, 2, 2]
+    assert moe_gmm.hopper_tiling(32768, 8, 2304, 5120, "fp8", True).ctas_per_sm == 1  # prefill
+
+
+def test_fp8_mma_tiling_fits_registers_and_shared_memory():
+    from deepinfer_jax.kernels_pallas import moe_gmm_fp8mma
+
+    for m in (128, 512):
+        for fused, (n, k) in ((True, (2304, 5120)), (False, (5120, 2304))):
+            c = moe_gmm.fp8_mma_tiling(m, 8, n, k, fused)
+            n_w = 2 if fused else 1
+            assert c.fp8_mma and c.block_m == 64 and n % c.block_n == 0 and k % c.block_k == 0
+            assert moe_gmm_fp8mma.acc_registers(c.block_m, c.block_n, n_w) <= moe_gmm.FP8_MMA_ACC_REGS
+            smem = c.stages * moe_gmm_fp8mma.stage_bytes(c.block_m, c.block_n, c.block_k, n_w) + c.block_m * c.block_n * 2
+            assert smem <= moe_gmm.HOPPER_SM_SMEM_BYTES // c.ctas_per_sm - 1024
+    assert moe_gmm.fp8_mma_tiling(512, 8, 2304, 5000, True) is None  # K not a multiple of 128
 
 
 def test_ops_hook_keeps_reference_on_cpu():
@@ -260,6 +286,33 @@ def test_moe_experts_k_splits(fmt, interpret):
     assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
 
 
+@pytest.mark.parametrize("T,X,E,ctas", [(12, 4, 6, 2), (40, 3, 4, 1)])
+def test_moe_experts_native_fp8_mma(T, X, E, ctas, interpret):
+    """fp8 experts on the native fp8 ``wgmma`` kernel (e4m3 activations x e4m3 weights, per-32
+    scale promotion; ``moe_gmm_fp8mma.py``), both launches, against the reference: ragged
+    experts, out-of-range ids, 1 or 2 CTAs per SM."""
+    rng = np.random.default_rng(41 + T)
+    D, F = 256, 128
+    args = _moe_case(rng, "fp8", T, X, D, F, E)
+    up = dataclasses.replace(moe_gmm.fp8_mma_tiling(T * X, E, F, D, True), ctas_per_sm=ctas)
+    dn = dataclasses.replace(moe_gmm.fp8_mma_tiling(T * X, E, D, F, False), ctas_per_sm=ctas)
+    out = moe_gmm.moe_experts(*args, "fp8", 0.75, E, interpret=interpret, tiles_up=up, tiles_down=dn)
+    ref = moe_gmm_ref.moe_experts_ref(*args, "fp8", 0.75, E)
+    _close(out, ref, "moe fp8 native mma")
+    bad = ~((args[1] >= 0) & (args[1] < E))
+    assert (np.asarray(out, np.float32)[np.asarray(bad)] == 0).all()
+    truth = _moe_truth(*args, "fp8", 0.75, E)
+    assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
+
+
+def test_fp8_mma_tiling_needs_fp8_experts():
+    rng = np.random.default_rng(5)
+    args = _moe_case(rng, "bf16", 4, 2, 256, 128, 4)
+    up = moe_gmm.fp8_mma_tiling(8, 4, 128, 256, True)
+    with pytest.raises(ValueError, match="fp8_mma"):
+        moe_gmm.moe_experts(*args, "bf16", 0.0, 4, interpret=True, tiles_up=up)
+
+
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -320,19 +373,45 @@ def test_decode_tilings_lower_for_hopper(fmt, block_n, splits):
     assert "mosaic_gpu" in e1.mlir_module() and "mosaic_gpu" in e2.mlir_module()
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_fp8_decode_tilings_lower_for_hopper(native):
+    """fp8 experts at a decode size with the default tiling (dequantizing kernel, two CTAs per
+    SM) and with the native fp8 ``wgmma`` tiling pass Mosaic GPU's lowering for SM90."""
+    E, X, D, F, T = 8, 6, 512, 256, 16
+    up = moe_gmm.fp8_mma_tiling(T * X, E, F, D, True) if native else None
+    dn = moe_gmm.fp8_mma_tiling(T * X, E, D, F, False) if native else None
+    f = jax.jit(lambda *a: moe_gmm.moe_experts(*a, "fp8", 10.0, E, tiles_up=up, tiles_down=dn))
+    try:
+        exp = jax.export.export(f, platforms=["cuda"])(
+            _sds((T, D), jnp.bfloat16), _sds((T, X), jnp.int32), _sds((T, X), jnp.float32),
+            _weight_sds("fp8", E, F, D), _weight_sds("fp8", E, D, F), _weight_sds("fp8", E, F, D))
+    except ImportError as e:  # pragma: no cover - jaxlib without the Mosaic GPU dialect
+        pytest.skip(f"no Mosaic GPU lowering here: {e}")
+    assert exp.mlir_module().count("mosaic_gpu") >= 2
+
+
 # ----------------------------------------------------------------------------- device only
 _V41_WEIGHTS: dict = {}
 
 
+_V41_CASES = [(f, T) for f in ("bf16", "fp8", "fp4") for T in (32, 512)] + [("fp8-mma", 32), ("fp8-mma", 80)]
+
+
 @pytest.mark.device
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
-@pytest.mark.parametrize("T", [32, 512])  # decode tile (block_m 64) and prefill tile (128)
+@pytest.mark.parametrize("fmt,T", _V41_CASES)  # T=32, 80: decode tiles (block_m 64); 512: prefill (128)
 def test_moe_experts_v41_shapes(fmt, T):
     """V4.1 expert shapes (D=5120, F=2304, 8 local experts, top-6 with some ids off this
-    shard), compiled, against the reference on the same GPU."""
+    shard), compiled, against the reference on the same GPU. ``fp8-mma``: fp8 experts on the
+    native fp8 ``wgmma`` kernel (explicit tilings; the real fp8 adder of the tensor core)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     E, X, D, F = 8, 6, 5120, 2304
+    tiles = {}
+    if fmt == "fp8-mma":
+        fmt = "fp8"
+        tiles = dict(tiles_up=moe_gmm.fp8_mma_tiling(T * X, E, F, D, True),
+                     tiles_down=moe_gmm.fp8_mma_tiling(T * X, E, D, F, False))
+        assert tiles["tiles_up"] is not None and tiles["tiles_down"] is not None
     if fmt not in _V41_WEIGHTS:  # quantizing 3 x 94M weights on the host: once per format
         wr = np.random.default_rng(100 + moe_gmm.FORMATS.index(fmt))
         _V41_WEIGHTS[fmt] = (_weights(wr, fmt, E, F, D), _weights(wr, fmt, E, D, F), _weights(wr, fmt, E, F, D))
@@ -341,9 +420,9 @@ def test_moe_experts_v41_shapes(fmt, T):
     idx = jnp.asarray(rng.integers(-1, E + 1, (T, X)), jnp.int32)
     wt = jnp.asarray(rng.uniform(0.1, 1.0, (T, X)), jnp.float32)
     args = (x, idx, wt, *_V41_WEIGHTS[fmt])
-    out = jax.jit(lambda *a: moe_gmm.moe_experts(*a, fmt, 10.0, E))(*args)
+    out = jax.jit(lambda *a: moe_gmm.moe_experts(*a, fmt, 10.0, E, **tiles))(*args)
     ref = jax.jit(lambda *a: moe_gmm_ref.moe_experts_ref(*a, fmt, 10.0, E))(*args)
-    _close(out, ref, f"moe {fmt} T={T}")
+    _close(out, ref, f"moe {fmt} T={T}{' native fp8 mma' if tiles else ''}")
     truth = _moe_truth(*args, fmt, 10.0, E)
     assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
 

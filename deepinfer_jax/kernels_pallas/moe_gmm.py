@@ -74,6 +74,7 @@ FORMATS = ("bf16", "fp8", "fp4")
 
 # ----------------------------------------------------------------------------- Hopper tiling
 HOPPER_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on SM90 (228 KB per SM)
+HOPPER_SM_SMEM_BYTES = 228 * 1024  # per SM, shared by its resident CTAs
 HOPPER_NUM_SMS = 132  # H100/H200 SXM
 HOPPER_MMA_M = 64  # wgmma: m64 per warpgroup, n in 8..256 (multiple of 8), k = 32 bytes
 
@@ -106,6 +107,12 @@ def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, f
     * ``stages``: as deep as fits in 227 KB of shared memory after the fixed buffers (dequant
       scratch, epilogue tile), capped at 6: at decode each stage is a weight tile in flight,
       and streaming at full bandwidth needs tens of KB in flight per SM (~1 us x ~30 GB/s).
+    * ``ctas_per_sm``: at decode the dequantizing formats (fp8, fp4) are ALU-bound in one
+      warpgroup (the dequant of a weight tile, not its bytes, sets the pace), so two CTAs per
+      SM, each with half the shared memory, let one dequantize while the other waits; used
+      whenever a tiling fits in the half. Measured (H200, 512 rows, ``moe_gmm_tiling_sweep.py
+      --ctas 1,2``): fp8 gate+up 186 -> 163 us, fp8 down 90 -> 74 us, fp4 down 146 -> 137 us;
+      bf16, which streams, gained nothing (down: 69 us at one CTA, the best).
     * ``grid_tile_width``: at prefill the persistent CTAs sweep column tiles in groups of 8 so
       that a wave of CTAs shares few activation and weight tiles in L2; at decode the order is
       row-major (all columns of a row tile, the live tiles first) so live work is dealt evenly.
@@ -128,25 +135,75 @@ def hopper_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fmt: str, f
         return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages,
                          grid_tile_width=min(8, n_out // bn))
     best = None
-    for bn in (256, 192, 128, 64):
-        if n_out % bn or bm * bn * n_acc > 128 * 128:
-            continue
-        try:
-            stages = _hopper_stages(bm, bn, bk, fmt, n_acc, fused)
-        except ValueError:
-            continue
-        cost = _decode_cost(bn, row_tiles=row_tiles, n_out=n_out, k_in=k_in, bm=bm, fmt=fmt, n_acc=n_acc,
-                            num_sms=num_sms)
-        if best is None or cost < best[0]:
-            best = (cost, bn, stages)
+    for ctas in ((2, 1) if fmt in ("fp8", "fp4") else (1,)):
+        for bn in (256, 192, 128, 64):
+            if n_out % bn or bm * bn * n_acc > 128 * 128:
+                continue
+            try:
+                stages = _hopper_stages(bm, bn, bk, fmt, n_acc, fused, ctas_per_sm=ctas)
+            except ValueError:
+                continue
+            cost = _decode_cost(bn, row_tiles=row_tiles, n_out=n_out, k_in=k_in, bm=bm, fmt=fmt, n_acc=n_acc,
+                                num_sms=num_sms * ctas)
+            if best is None or cost < best[0]:
+                best = (cost, bn, stages)
+        if best is not None:
+            break  # the most CTAs per SM that any tiling fits
     if best is None:
         raise ValueError(f"no Hopper tiling for O={n_out}, K={k_in} ({fmt}): O must be a multiple of 64")
     _, bn, stages = best
-    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=n_out // bn)
+    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=n_out // bn,
+                     ctas_per_sm=ctas)
 
 
-def _hopper_stages(bm: int, bn: int, bk: int, fmt: str, n_acc: int, fused: bool, split: bool = False) -> int:
-    """Pipeline depth that fits the shared memory next to the fixed buffers (see hopper_tiling)."""
+FP8_MMA_CTAS_PER_SM = 2
+FP8_MMA_ACC_REGS = 128  # fp32 accumulators per thread (ptxas then used 187-254 registers in all)
+
+
+def fp8_mma_tiling(m_rows: int, n_groups: int, n_out: int, k_in: int, fused: bool,
+                   num_sms: int = HOPPER_NUM_SMS) -> GmmTiling | None:
+    """A decode tiling of the native fp8 ``wgmma`` kernel (``moe_gmm_fp8mma.py``), or None when
+    the widths do not tile. ``hopper_tiling`` never returns it: on the H200 at V4.1 decode
+    shapes it measured no faster than the dequantizing kernel at two CTAs per SM (gate+up 168 vs
+    163 us, down 80 vs 74 us, 512 rows; ``moe_gmm_tiling_sweep.py --fmts fp8mma``), so it is
+    an explicit choice (``moe_experts(..., tiles_up=..., tiles_down=...)``) and the base for
+    a warp-specialized version. Each running sum has a partial beside it
+    (``moe_gmm_fp8mma.acc_registers <= FP8_MMA_ACC_REGS``); 128 inputs per step; two CTAs per
+    SM (both measured best in that sweep)."""
+    from deepinfer_jax.kernels_pallas import moe_gmm_fp8mma
+
+    bm = tiling.pick_block_m(m_rows, n_groups, HOPPER_MMA_M, (64, 128))
+    n_acc = 2 if fused else 1
+    row_tiles = tiling.expected_active_tiles(m_rows, n_groups, bm)
+    bk = 128
+    if k_in % bk:
+        return None
+    budget = HOPPER_SM_SMEM_BYTES // FP8_MMA_CTAS_PER_SM - 1024
+    best = None
+    for bn in (128, 64):
+        if n_out % bn or moe_gmm_fp8mma.acc_registers(bm, bn, n_acc) > FP8_MMA_ACC_REGS:
+            continue
+        fixed = bm * bn * 2 + (bm * 4 if fused else 0) + 4096
+        try:
+            stages = tiling.pick_stages(moe_gmm_fp8mma.stage_bytes(bm, bn, bk, n_acc), fixed, budget, lo=2, hi=6)
+        except ValueError:
+            continue
+        cost = _decode_cost(bn, row_tiles=row_tiles, n_out=n_out, k_in=k_in, bm=bm, fmt="fp8", n_acc=n_acc,
+                            num_sms=num_sms * FP8_MMA_CTAS_PER_SM)
+        if best is None or cost < best[0]:
+            best = (cost, bn, stages)
+    if best is None:
+        return None
+    _, bn, stages = best
+    return GmmTiling(block_m=bm, block_n=bn, block_k=bk, stages=stages, grid_tile_width=n_out // bn,
+                     ctas_per_sm=FP8_MMA_CTAS_PER_SM, fp8_mma=True)
+
+
+def _hopper_stages(bm: int, bn: int, bk: int, fmt: str, n_acc: int, fused: bool, split: bool = False,
+                   ctas_per_sm: int = 1) -> int:
+    """Pipeline depth that fits the shared memory next to the fixed buffers (see hopper_tiling);
+    with ``ctas_per_sm`` CTAs sharing an SM, each gets that fraction of its 228 KB (1 KB of
+    which the hardware reserves per CTA)."""
     stage = bm * bk * 2  # activation tile (bf16)
     fixed = bm * bn * 4 * n_acc if split else bm * bn * 2  # epilogue tile(s): fp32 partials when split
     for _ in range(n_acc):
@@ -157,7 +214,8 @@ def _hopper_stages(bm: int, bn: int, bk: int, fmt: str, n_acc: int, fused: bool,
             fixed += 2 * bn * bk * 2  # double-buffered bf16 dequant scratch
     if fused:
         fixed += bm * 4  # routing weights
-    return tiling.pick_stages(stage, fixed + 4096, HOPPER_SMEM_BYTES, lo=2, hi=6)
+    budget = HOPPER_SMEM_BYTES if ctas_per_sm == 1 else (HOPPER_SM_SMEM_BYTES // ctas_per_sm - 1024)
+    return tiling.pick_stages(stage, fixed + 4096, budget, lo=2, hi=6)
 
 
 _WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 1 / 32, "fp4": 0.5 + 1 / 32}  # per weight element, with scales
@@ -425,7 +483,7 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(_num_sms(interpret),),
+        grid=(_num_sms(interpret) * cfg.ctas_per_sm,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -485,7 +543,7 @@ def _tiles_for(m_rows, n_groups, n_out, k_in, fmt, fused, block_m, block_n, bloc
     return GmmTiling(block_m=block_m or cfg.block_m, block_n=bn, block_k=block_k or cfg.block_k,
                      stages=stages or cfg.stages,
                      grid_tile_width=n_out // bn if splits > 1 else min(cfg.grid_tile_width, n_out // bn),
-                     k_splits=splits)
+                     k_splits=splits, ctas_per_sm=cfg.ctas_per_sm)
 
 
 def grouped_matmul(x_MK: jax.Array, w_EOK: jax.Array, scale: jax.Array | None, group_sizes_E: jax.Array,
@@ -552,29 +610,59 @@ def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: flo
 
     cfg_up = tiles_up or hopper_tiling(M, E, F, D, fmt, True)
     cfg_dn = tiles_down or hopper_tiling(M, E, D, F, fmt, False)
+    if (cfg_up.fp8_mma or cfg_dn.fp8_mma) and fmt != "fp8":
+        raise ValueError(f"fp8_mma tilings need fp8 experts, got fmt={fmt!r}")
     cfg_dn = dataclasses.replace(cfg_dn, block_m=cfg_up.block_m)  # both kernels share the layout
     lay = tiling.aligned_layout(sizes, M, cfg_up.block_m)
     src, valid = lay.padded_row_source()  # padded row -> sorted position
     entry = order[src]  # padded row -> flat (t, x) routing entry
     if fmt == "fp4":
         a = _deinterleave(a)
-    x_pad = jnp.where(valid[:, None], a[entry // X], 0).astype(jnp.bfloat16)
     rw_pad = jnp.where(valid, weight_TX.reshape(-1)[entry].astype(jnp.float32), 0.0)
 
     up_w = [_weight_operand(w1v, w1s, fmt, F), _weight_operand(w3v, w3s, fmt, F)]
-    h_pad = _hopper_gmm(lay.tile_group, x_pad, up_w, rw_pad, fmt=fmt, n_out=F, k_in=D, cfg=cfg_up,
-                        swiglu_limit=float(swiglu_limit), interpret=interpret)
-    h_pad = _qdq_h(h_pad, fmt)
-    if fmt == "fp4":
-        h_pad = _deinterleave(h_pad)
-    y_pad = _hopper_gmm(lay.tile_group, h_pad, [_weight_operand(w2v, w2s, fmt, D)], None, fmt=fmt,
-                        n_out=D, k_in=F, cfg=cfg_dn, swiglu_limit=0.0, interpret=interpret)
+    if cfg_up.fp8_mma:
+        xq, xs = quant.act_quant_fp8_codes(x_TD.astype(jnp.bfloat16))
+        h_pad = _fp8_mma_launch(lay, valid, entry // X, xq, xs, up_w, rw_pad, n_out=F, k_in=D, cfg=cfg_up,
+                                swiglu_limit=float(swiglu_limit), interpret=interpret)
+    else:
+        x_pad = jnp.where(valid[:, None], a[entry // X], 0).astype(jnp.bfloat16)
+        h_pad = _hopper_gmm(lay.tile_group, x_pad, up_w, rw_pad, fmt=fmt, n_out=F, k_in=D, cfg=cfg_up,
+                            swiglu_limit=float(swiglu_limit), interpret=interpret)
+    dn_w = [_weight_operand(w2v, w2s, fmt, D)]
+    if cfg_dn.fp8_mma:
+        # the QDQ of h as codes + scales; rows of unused tiles are garbage and never read
+        hq, hs = quant.act_quant_fp8_codes(h_pad)
+        rows = jnp.arange(h_pad.shape[0], dtype=jnp.int32)
+        y_pad = _fp8_mma_launch(lay, None, rows, hq, hs, dn_w, None, n_out=D, k_in=F, cfg=cfg_dn,
+                                swiglu_limit=0.0, interpret=interpret)
+    else:
+        h_pad = _qdq_h(h_pad, fmt)
+        if fmt == "fp4":
+            h_pad = _deinterleave(h_pad)
+        y_pad = _hopper_gmm(lay.tile_group, h_pad, dn_w, None, fmt=fmt,
+                            n_out=D, k_in=F, cfg=cfg_dn, swiglu_limit=0.0, interpret=interpret)
 
     # back to routing-entry order: entry j sits at sorted position inv[j]
     inv = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))
     pos = lay.padded_position(inv, jnp.where(in_range, flat_e, -1))
     y = jnp.where(in_range[:, None], y_pad[pos], 0).astype(jnp.bfloat16)
     return y.reshape(T, X, D)
+
+
+def _fp8_mma_launch(lay, valid, row_src, q, s, weights, route_w, *, n_out, k_in, cfg, swiglu_limit, interpret):
+    """Gather fp8 codes ``q [*, K]`` and scales ``s [*, K/32]`` into the aligned layout (padded
+    row ``r`` takes row ``row_src[r]``, zeros where not ``valid``) and run the fp8 ``wgmma``
+    kernel on them."""
+    from deepinfer_jax.kernels_pallas import moe_gmm_fp8mma
+
+    xq, xs = q[row_src], s[row_src]
+    if valid is not None:
+        xq = jnp.where(valid[:, None], xq, jnp.zeros((), q.dtype))
+        xs = jnp.where(valid[:, None], xs, 0.0)
+    return moe_gmm_fp8mma.gmm_fp8_mma(lay.tile_group, xq, xs.T, weights, route_w, n_out=n_out, k_in=k_in,
+                                      cfg=cfg, swiglu_limit=swiglu_limit, num_sms=_num_sms(interpret),
+                                      interpret=interpret, epilogue=_swiglu_epilogue)
 
 
 def moe_experts_op(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):

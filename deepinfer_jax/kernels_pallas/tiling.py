@@ -36,7 +36,12 @@ class GmmTiling:
     wave of CTAs sweeps together before moving on to the next rows (L2 locality);
     ``k_splits``: the contraction is cut into this many equal slices, each its own work item
     writing fp32 partial sums that a second (fused, fixed-order) pass adds up: more work items
-    than (row tile x column tile) alone when those fill the processors' waves badly (decode).
+    than (row tile x column tile) alone when those fill the processors' waves badly (decode);
+    ``ctas_per_sm``: persistent CTAs launched per processor (each with its share of the on-chip
+    memory): two let one CTA's in-register work (weight dequantization) run while the other's
+    waits on memory or the tensor core; ``fp8_mma``: fp8 weights and fp8-quantized activations
+    go to the tensor core as e4m3 codes with per-32 scale promotion (``moe_gmm_fp8mma.py``)
+    instead of the weights being dequantized to bf16 first.
     """
 
     block_m: int
@@ -45,6 +50,8 @@ class GmmTiling:
     stages: int
     grid_tile_width: int = 1
     k_splits: int = 1
+    ctas_per_sm: int = 1
+    fp8_mma: bool = False
 
 
 # ----------------------------------------------------------------------------- regime / blocks

@@ -52,13 +52,20 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], n // block, block)
 
 
-def act_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
-    """fp8 e4m3 QDQ of activations, per ``block`` along the last dim (reference ``act_quant``)."""
+def act_quant_fp8_codes(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """fp8 e4m3 quantization of activations, per ``block`` along the last dim (reference
+    ``act_quant``): e4m3 codes ``[..., K]`` and power-of-two f32 scales ``[..., K/block]``."""
     xg = _blocks(x, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1, keepdims=True), 1e-4)
     s = pow2_ceil_scale(amax, _FP8_MAX_INV)
     q = jnp.clip(xg / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return (q.astype(jnp.float32) * s).reshape(x.shape).astype(x.dtype)
+    return q.reshape(x.shape), s[..., 0]
+
+
+def act_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
+    """fp8 e4m3 QDQ of activations, per ``block`` along the last dim (reference ``act_quant``)."""
+    q, s = act_quant_fp8_codes(x, block)
+    return (_blocks(q, block).astype(jnp.float32) * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
 def e2m1_round(v: jax.Array) -> jax.Array:
