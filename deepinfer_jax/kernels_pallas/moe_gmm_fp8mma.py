@@ -35,13 +35,13 @@ repeated over their 32 output rows, as ``moe_gmm.prepare_scales`` lays them out)
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deepinfer_jax.kernels_pallas import moe_gmm  # moe_gmm imports this module lazily: no cycle
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
+from deepinfer_jax.layers import quant
 
 try:
     from jax.experimental import pallas as pl
@@ -50,10 +50,6 @@ except Exception:  # pragma: no cover - CPU-only builds without the GPU Pallas b
     pl = plgpu = None
 
 QBLOCK = 32
-
-
-def _e8m0_to_f32(s_u8: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(s_u8.astype(jnp.int32) << 23, jnp.float32)
 
 
 def acc_registers(bm: int, bn: int, n_w: int) -> int:
@@ -70,12 +66,11 @@ def stage_bytes(bm: int, bn: int, bk: int, n_w: int) -> int:
 
 def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
                 weights: list[tuple[jax.Array, jax.Array]], route_w: jax.Array | None, *,
-                n_out: int, k_in: int, cfg: GmmTiling, swiglu_limit: float, num_sms: int,
-                interpret: bool, epilogue) -> jax.Array:
+                n_out: int, k_in: int, cfg: GmmTiling, swiglu_limit: float, interpret: bool) -> jax.Array:
     """One launch. ``xq``: ``[Mp, K]`` e4m3 codes in the aligned layout; ``xs_T``: ``[K/32, Mp]``
     f32 scales; ``weights``: one ``(codes [E, O, K] e4m3, exponents [E, K/32, O] uint8)`` for a
-    plain matmul or two (w1, w3) for the fused gate+up (then ``route_w [Mp]`` f32 and
-    ``epilogue(gate_acc, up_acc, rw, limit)``). Returns bf16 ``[Mp, n_out]``; rows of unused
+    plain matmul or two (w1, w3) for the fused gate+up (then ``route_w [Mp]`` f32; the epilogue
+    is ``moe_gmm``'s: the reference's roundings, clamped SwiGLU, routing weight). Returns bf16 ``[Mp, n_out]``; rows of unused
     tiles (``tile_group < 0``) are unspecified."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_w = len(weights)
@@ -119,7 +114,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
             parts = pl.run_scoped(mma, *[plgpu.ACC((bm, bn)) for _ in range(n_w)])
             sa = plgpu.load(xs_ref.at[j], layout=plgpu.Layout.WGMMA.reduce(1))
             for wi in range(n_w):
-                sw = _e8m0_to_f32(plgpu.load(ws_ref[wi].at[j], layout=plgpu.Layout.WGMMA.reduce(0)))
+                sw = quant.e8m0_to_f32(plgpu.load(ws_ref[wi].at[j], layout=plgpu.Layout.WGMMA.reduce(0)))
                 accs[wi] = accs[wi] + parts[wi] * sw[None, :] * sa[:, None]
         return tuple(accs)
 
@@ -161,7 +156,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
             if fused:
                 plgpu.barrier_wait(rw_bar)
                 rw = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-                return epilogue(accs[0], accs[1], rw, swiglu_limit)
+                return moe_gmm._swiglu_epilogue(accs[0], accs[1], rw, swiglu_limit)
             return accs[0].astype(jnp.bfloat16)
 
         if rw_gmem is not None:
@@ -170,12 +165,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
         else:
             out = main()
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), jnp.bfloat16))
-        def _store(o_smem):
-            o_smem[...] = out
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        moe_gmm.store_tile(out, o_gmem, mi * bm, ni * bn)
 
     args = [tile_group, xq, xs_T]
     for w, s in weights:
@@ -185,7 +175,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((mp, n_out), jnp.bfloat16),
-        grid=(num_sms * cfg.ctas_per_sm,),
+        grid=(moe_gmm._num_sms(interpret) * cfg.ctas_per_sm,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
