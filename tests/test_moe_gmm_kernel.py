@@ -305,6 +305,14 @@ def test_moe_experts_native_fp8_mma(T, X, E, ctas, interpret):
     assert _rel(out, truth) <= 1.25 * _rel(ref, truth) + 1e-3
 
 
+@pytest.mark.parametrize("field,value", [("ctas_per_sm", 0), ("stages", -1), ("block_n", 64.0)])
+def test_tiling_rejects_non_positive_fields(field, value):
+    kw = dict(block_m=64, block_n=64, block_k=64, stages=2)
+    kw[field] = value
+    with pytest.raises(ValueError, match=f"GmmTiling.{field}={value!r}"):
+        tiling.GmmTiling(**kw)
+
+
 def test_fp8_mma_tiling_needs_fp8_experts():
     rng = np.random.default_rng(5)
     args = _moe_case(rng, "bf16", 4, 2, 256, 128, 4)

@@ -53,6 +53,12 @@ class GmmTiling:
     ctas_per_sm: int = 1
     fp8_mma: bool = False
 
+    def __post_init__(self):
+        for f in ("block_m", "block_n", "block_k", "stages", "grid_tile_width", "k_splits", "ctas_per_sm"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GmmTiling.{f}={v!r}: must be a positive integer")
+
 
 # ----------------------------------------------------------------------------- regime / blocks
 def rows_per_group(m_rows: int, n_groups: int) -> float:
