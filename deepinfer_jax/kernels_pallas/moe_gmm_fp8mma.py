@@ -20,6 +20,10 @@ once needs one partial per block in registers; at the widths that fit, ``block_n
 measured slower: 221 vs 168 us for the V4.1 gate+up at 512 rows.) Registers: the running sums
 and one partial, ``acc_registers``. The ALU work is two operations per accumulator element per 32
 inputs, i.e. ``2 * block_m / 32`` per weight element, against ~10 for the dequantizing kernel.
+Measured on the H200 (V4.1 shapes, 512 rows, 2 CTAs per SM) it is still no faster than the
+dequantizing kernel (gate+up 168 vs 163 us, down 80 vs 74 us): one warpgroup's serial
+issue -> wait -> promote chain, ~1,200 cycles per 32-wide block, sets the pace. Hence an
+explicit tiling (``moe_gmm.fp8_mma_tiling``), the starting point for a warp-specialized kernel.
 
 Numerics: each product ``qa * qw`` is exact; Hopper sums one k32 ``wgmma`` in its fp8 adder,
 which keeps fewer than fp32's mantissa bits (about 13 below the largest term, DeepSeek-V3
@@ -70,16 +74,17 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
     """One launch. ``xq``: ``[Mp, K]`` e4m3 codes in the aligned layout; ``xs_T``: ``[K/32, Mp]``
     f32 scales; ``weights``: one ``(codes [E, O, K] e4m3, exponents [E, K/32, O] uint8)`` for a
     plain matmul or two (w1, w3) for the fused gate+up (then ``route_w [Mp]`` f32; the epilogue
-    is ``moe_gmm``'s: the reference's roundings, clamped SwiGLU, routing weight). Returns bf16 ``[Mp, n_out]``; rows of unused
-    tiles (``tile_group < 0``) are unspecified."""
+    is ``moe_gmm``'s: the reference's roundings, clamped SwiGLU, routing weight). Returns bf16
+    ``[Mp, n_out]``; rows of unused tiles (``tile_group < 0``) are unspecified."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
     n_w = len(weights)
     fused = n_w == 2
     n_tiles = tile_group.shape[0]
     mp = xq.shape[0]
     assert mp == n_tiles * bm, (mp, n_tiles, bm)
-    if n_out % bn or k_in % bk or bk % QBLOCK or bm % 64 or bn % 32:
-        raise ValueError(f"fp8 wgmma tiling: O={n_out}, K={k_in}, block_m={bm} (64k), block_n={bn} (32k), "
+    # block_n 32 hit a misaligned-address fault on the H200 (in an earlier variant): 64k only
+    if n_out % bn or k_in % bk or bk % QBLOCK or bm % 64 or bn % 64:
+        raise ValueError(f"fp8 wgmma tiling: O={n_out}, K={k_in}, block_m={bm} (64k), block_n={bn} (64k), "
                          f"block_k={bk} (32k) do not divide")
     if cfg.k_splits != 1:
         raise ValueError("the fp8 wgmma kernel does not split the contraction")
