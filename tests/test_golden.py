@@ -172,3 +172,24 @@ def test_tied_config_untied_rows(golden_dir):
     ref_pos = sorted_positions(np.where(ref >= 0, ref - L, -1), ref.shape[1])
     ours = sorted_positions(taps["index1_topk"], ref.shape[1])
     assert (ours[untied] == ref_pos[untied]).all(axis=1).mean() >= 0.8
+
+
+def test_golden_report_matches_the_run(run, golden_dir):
+    """``scripts/golden_report.py`` (the per-layer / per-step diagnostic) reports the same
+    routing flips, tokens and logit distances as this run (it reuses the cached run)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "golden_report", Path(__file__).resolve().parents[1] / "scripts" / "golden_report.py")
+    golden_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden_report)
+    name, r = run
+    rep = golden_report.report(str(golden_dir), name)
+    g = r["golden"]
+    for s, step in enumerate(rep["decode_steps"]):
+        assert (step["first_gate_flip"] is not None) == routing_flipped(r, s)
+        assert step["token_ok"] == (int(r["decode_logits"][s].argmax()) == int(g["generated_ids"][0, s + 1]))
+        assert step["max"] == float(np.abs(r["decode_logits"][s] - g["decode_logits"][0, s]).max())
+    b0 = rep["prefill_layers"][0]["block"]
+    assert b0[0] == float((r["prefill_taps"]["block0_h"].astype(np.float32) != g["prefill_block0_h"][0]).mean())
