@@ -641,9 +641,8 @@ def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: flo
     dn_w = [_weight_operand(w2v, w2s, fmt, D)]
     if cfg_dn.fp8_mma:
         # the QDQ of h as codes + scales; rows of unused tiles are garbage and never read
-        hq, hs = quant.act_quant_fp8_codes(h_pad)
-        rows = jnp.arange(h_pad.shape[0], dtype=jnp.int32)
-        y_pad = _fp8_mma_launch(lay, None, rows, hq, hs, dn_w, None, n_out=D, k_in=F, cfg=cfg_dn,
+        hq, hs = quant.act_quant_fp8_codes(h_pad)  # already in the aligned layout
+        y_pad = _fp8_mma_launch(lay, None, None, hq, hs, dn_w, None, n_out=D, k_in=F, cfg=cfg_dn,
                                 swiglu_limit=0.0, interpret=interpret)
     else:
         h_pad = _qdq_h(h_pad, fmt)
@@ -661,11 +660,11 @@ def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: flo
 
 def _fp8_mma_launch(lay, valid, row_src, q, s, weights, route_w, *, n_out, k_in, cfg, swiglu_limit, interpret):
     """Gather fp8 codes ``q [*, K]`` and scales ``s [*, K/32]`` into the aligned layout (padded
-    row ``r`` takes row ``row_src[r]``, zeros where not ``valid``) and run the fp8 ``wgmma``
-    kernel on them."""
+    row ``r`` takes row ``row_src[r]``, zeros where not ``valid``; ``row_src=None``: they are in
+    it already) and run the fp8 ``wgmma`` kernel on them."""
     from deepinfer_jax.kernels_pallas import moe_gmm_fp8mma
 
-    xq, xs = q[row_src], s[row_src]
+    xq, xs = (q, s) if row_src is None else (q[row_src], s[row_src])
     if valid is not None:
         xq = jnp.where(valid[:, None], xq, jnp.zeros((), q.dtype))
         xs = jnp.where(valid[:, None], xs, 0.0)
