@@ -112,13 +112,21 @@ def pick_block_h(H: int, T: int, gen: GenTuning) -> int:
 def pick_launch(block_h: int, A: int, gen: GenTuning, straddling: bool = False) -> tuple[int, int]:
     """(num_warps, num_stages) on Hopper. 8 warps once the fp32 accumulator has >= 16K elements
     (<= 128 registers a thread for it at 64 x 512; 32 x 512 with 4 warps spilled, Triton 3.9
-    offline compile); as many gather stages as fit next to the q tile in shared memory with
-    32 KiB left for Triton's scratch, at most 3 (2 at A = 512). A plan with a block straddling
-    two pools (index-list widths not multiples of 64; never at V4.1 shapes) runs unpipelined:
-    its loops' stage buffers did not all share memory (up to 224 KiB of the 227 at A = 512)."""
+    offline compile). Stages: as many gather stages as fit next to the q tile in shared memory
+    with 32 KiB left for Triton's scratch, at most 3, except at A = 512 where the launch sweep
+    (``scripts/kernel_bench/triton_launch_sweep.py``, H200, V4.1 decode; results in
+    ``benchmarks/results/triton_launch_sweep_NVIDIA_H200.json``) measured: block_h 64 -> 3 stages
+    (256 requests: 123.5 us vs 132.7 at 2; 64 requests 66.7 vs 73.8), block_h 32 -> 2 stages
+    (64 requests: 58.1 us vs 67.7 at 3); 16 warps were slower everywhere. Triton shares buffers
+    that the byte estimate counts twice, so 3 stages of 64 x 512 fit although it predicts 2.
+    A plan with a block straddling two pools (index-list widths not multiples of 64; never at
+    V4.1 shapes) runs unpipelined: its loops' stage buffers did not all share memory (up to 224
+    KiB of the 227 at A = 512)."""
     num_warps = 8 if block_h * A >= 16384 else 4
     if straddling:
         return num_warps, 1
+    if A == 512 and block_h in (32, 64):
+        return num_warps, 3 if block_h == 64 else 2
     stages = tiling.pick_stages(bytes_per_stage=BLOCK * A * 2, fixed_bytes=block_h * A * 2 + 32 * 1024,
                                 budget_bytes=gen.smem_bytes, lo=1, hi=3)
     return num_warps, stages
