@@ -118,7 +118,8 @@ def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
 def cache_arrays(runner: Runner) -> dict[str, np.ndarray]:
     c = runner.drv.cache
     out = {}
-    for field in ("window", "comp_kv", "index_k", "comp_state_kv", "comp_state_score", "dspark_window"):
+    for field in ("window", "comp_kv", "index_k", "index_k_scale", "comp_state_kv", "comp_state_score",
+                  "dspark_window"):
         for i, a in enumerate(getattr(c, field)):
             out[f"{field}[{i}]"] = np.asarray(a).astype(np.float32)
     return out

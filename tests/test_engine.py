@@ -268,6 +268,8 @@ def test_bad_engine_and_model_config(model_dir):
         LLM("/nonexistent/dir", progress=False)
     with pytest.raises(ValueError, match=r"EngineConfig.yoco_keep_tokens=10: must be >= sliding_window"):
         LLM(model_dir, yoco_keep_tokens=10, progress=False)
+    with pytest.raises(ValueError, match=r"EngineConfig.index_key_dtype='fp16': expected one of"):
+        LLM(model_dir, index_key_dtype="fp16", progress=False)
     with pytest.raises(ValueError, match=r"unknown engine config field\(s\) \['max_seqs'\]"):
         LLM(model_dir, max_seqs=3, progress=False)
     with pytest.raises(ValueError, match=r"SamplingParams.bogus"):
@@ -287,7 +289,7 @@ def test_cli_generate(model_dir, capsys):
 
     rc = main(["generate", "--model", model_dir, "--prompt", "the cat", "--prompt-ids", "5,6,7",
                "--max-tokens", "3", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
-               "--token-buckets", "64", "--max-model-len", "320"])
+               "--token-buckets", "64", "--max-model-len", "320", "--index-key-dtype", "fp8"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "prompt: 'the cat'" in out and "prompt: [5, 6, 7]" in out and "(length)" in out

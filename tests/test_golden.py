@@ -193,3 +193,20 @@ def test_golden_report_matches_the_run(run, golden_dir):
         assert step["max"] == float(np.abs(r["decode_logits"][s] - g["decode_logits"][0, s]).max())
     b0 = rep["prefill_layers"][0]["block"]
     assert b0[0] == float((r["prefill_taps"]["block0_h"].astype(np.float32) != g["prefill_block0_h"][0]).mean())
+
+
+def test_fp8_index_key_cache_is_bit_identical(golden_dir):
+    """``CacheConfig.index_key_dtype="fp8"`` (e5m2 codes + a power-of-two scale per key) stores the
+    same keys: a whole golden run (prefill with taps, decode, drafts) is bit-identical to the bf16
+    cache's, index selections and decoded index-key caches included."""
+    a = run_golden(str(golden_dir), "tiny_fp8")
+    b = run_golden(str(golden_dir), "tiny_fp8", index_key_dtype="fp8")
+    for what in ("prefill_logits_all", "decode_logits", "dspark_ids", "dspark_logits"):
+        np.testing.assert_array_equal(np.asarray(b[what]), np.asarray(a[what]), err_msg=what)
+    index_taps = [k for k in a["prefill_taps"] if k.startswith("index")]
+    assert index_taps
+    for k in index_taps:
+        np.testing.assert_array_equal(b["prefill_taps"][k], a["prefill_taps"][k], err_msg=k)
+    for phase in ("after_prefill_cache", "after_decode_cache"):
+        for i, (x, y) in enumerate(zip(a[phase]["index_k"], b[phase]["index_k"])):
+            np.testing.assert_array_equal(y, x, err_msg=f"{phase} index keys of source {i}")

@@ -127,6 +127,60 @@ def test_scores_pool_match_reference(interpret):
     _check_scores(got, R.indexer_scores_pool_ref(q, pool, entry, token_row, w, nv), _score_slack(q, keys, w))
 
 
+@pytest.mark.parametrize("interpret", MODES)
+def test_scores_pool_coded_keys(interpret):
+    """A pool of e5m2 codes + a power-of-two scale per entry (the model's index-key cache,
+    ``quant.pack_index_keys``): the kernel's scores equal its scores on the decoded bf16 pool bit
+    for bit (power-of-two scaling commutes with every rounding), and the reference's on the codes
+    within the usual one-ulp slack. Keys are fp4-QDQ'd like the model's, with 32-blocks spread over
+    12 binades and whole rows from 2^-20 to 2^20; both the shared-row and straddling paths run."""
+    from deepinfer_jax.layers import quant
+
+    rng = np.random.default_rng(11)
+    T, N, I, J, R_, P = 10, 300, 16, 64, 3, 1024
+    raw = rng.standard_normal((P, J // 32, 32)) * np.exp2(rng.integers(-6, 7, (P, J // 32, 1)))
+    raw = raw.reshape(P, J) * np.exp2(rng.integers(-20, 21, (P, 1)))
+    keys = quant.act_quant_fp4(jnp.asarray(raw, jnp.bfloat16), 32, "ue8m0")
+    codes, scale = quant.pack_index_keys(keys)
+    assert codes.dtype == jnp.float8_e5m2 and bool(jnp.all(quant.unpack_index_keys(codes, scale) == keys))
+    entry = jnp.asarray(rng.permutation(P)[: R_ * N].reshape(R_, N), jnp.int32)
+    token_row = jnp.asarray([0, 0, 2, 1, 1, 1, 1, 1, 2, 2], jnp.int32)
+    q, _, w, nv = _inputs(rng, T, 1, I, J, n_vis=np.array([N, 123, 7, 0, 40, 41, 0, 200, 299, 3]))
+    args = (q, codes, entry, token_row, w, nv, scale)
+    got = K.indexer_scores_pool(*args, interpret=interpret)
+    got1 = K.indexer_scores_pool(*args, tokens_per_program=1, interpret=interpret)
+    dec = K.indexer_scores_pool(q, keys, entry, token_row, w, nv, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(dec, np.float32))
+    np.testing.assert_array_equal(np.asarray(got1, np.float32), np.asarray(dec, np.float32))
+    gathered = jnp.take(keys, entry, axis=0, mode="clip")[token_row]
+    _check_scores(got, R.indexer_scores_pool_ref(*args), _score_slack(q, gathered, w))
+    np.testing.assert_array_equal(np.asarray(R.indexer_scores_pool_ref(*args), np.float32),
+                                  np.asarray(R.indexer_scores_pool_ref(q, keys, entry, token_row, w, nv), np.float32))
+    with pytest.raises(ValueError, match="coded pool"):
+        K.indexer_scores_pool(q, keys, entry, token_row, w, nv, scale, interpret=interpret)
+
+
+@pytest.mark.parametrize("coded,tb", [(False, 2), (True, 1), (True, 2)])
+def test_lowers_to_triton_sm90(monkeypatch, coded, tb):
+    """Pallas -> Triton IR for an H200 on the CPU: interpret mode never lowers, and an op Triton's
+    lowering rejects (an int constant cast to fp8, say) would otherwise first fail on the GPU."""
+    import warnings
+
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    T, N, I, J, P, S = 8, 256, 32, 128, 4096, jax.ShapeDtypeStruct
+    pool = S((P, J), jnp.float8_e5m2 if coded else jnp.bfloat16)
+    args = (S((T, I, J), jnp.bfloat16), pool, S((T, N), jnp.int32), S((T,), jnp.int32), S((T, I), jnp.bfloat16),
+            S((T,), jnp.int32), S((P,), jnp.float32) if coded else None)
+    fn = jax.jit(lambda *a: K.topk_positions(K.indexer_scores_pool(*a, tokens_per_program=tb), 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 5  # scores + the four selection kernels
+
+
 # -------------------------------------------------------------------------------------- top-k
 
 

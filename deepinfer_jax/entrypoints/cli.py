@@ -36,6 +36,7 @@ def cmd_generate(args) -> int:
     engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=not args.sync, yoco_truncation=args.yoco_truncation,
                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
+                  index_key_dtype=args.index_key_dtype,
                   precompile=not args.no_precompile)
     if args.token_buckets:
         engine["token_buckets"] = tuple(int(b) for b in args.token_buckets.split(","))
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", default=None, choices=["auto", "reference"],
                    help="kernel backend (default: $DEEPINFER_KERNELS or auto)")
     g.add_argument("--no-precompile", action="store_true", help="compile buckets on first use")
+    g.add_argument("--index-key-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="index-key cache format: fp8 = e5m2 codes + a scale per key (same results, ~half the bytes)")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
     g.add_argument("--stats-json", default=None, help="write per-step stats and the summary here")
     g.set_defaults(func=cmd_generate)

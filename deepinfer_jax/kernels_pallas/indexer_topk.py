@@ -17,6 +17,9 @@ Kernels (all ``pl.pallas_call`` with the Triton lowering; every one also runs in
     entry index ``[R, N]`` and ``token_row [T]`` (no ``[T, N, J]`` gather copy). A program takes
     TB tokens: their queries form one MMA operand, the per-token head sums are a second MMA with a
     block-diagonal ones matrix, and tokens of one request row (prefill) share each key tile.
+    The pool may hold the model's index-key cache format instead of bf16: e5m2 codes plus a
+    power-of-two scale per entry (``quant.pack_index_keys``), converted in registers; the scale
+    multiplies the f32 head sum. Bit-identical to scoring the decoded bf16 keys, half the bytes.
 
 Selection (exact radix select on the bf16 bit pattern, 5 kernels; no jnp glue):
     a bf16 score maps to a monotone 16-bit key (total order: -0 < +0 like ``lax.top_k``); -inf
@@ -130,7 +133,7 @@ def _score_kernel(nvis_ref, q_ref, w_ref, k_ref, o_ref, *, N: int, BN: int, TPP:
     lax.fori_loop(n_vis_tiles, TPP, hidden_tile, 0)
 
 
-def _score_pool_kernel(nvis_ref, trow_ref, q_ref, w_ref, entry_ref, pool_ref, o_ref, *, T: int, I: int, N: int,
+def _score_pool_kernel(nvis_ref, trow_ref, q_ref, w_ref, entry_ref, pool_ref, *rest, T: int, I: int, N: int,
                        BN: int, TPP: int, TB: int, interpret: bool):
     """Keys in the pool; program (b, p) scores the TB tokens [b*TB, (b+1)*TB) on TPP tiles.
 
@@ -141,7 +144,15 @@ def _score_pool_kernel(nvis_ref, trow_ref, q_ref, w_ref, entry_ref, pool_ref, o_
     one request row (prefill), each key tile is loaded once for all of them; a block straddling rows
     (decode batches) scores each token on its own keys with its own I columns (``Es[j]`` puts the
     sums in column j): the work of one token a program, TB times over.
+
+    Coded pools (``rest = (scale_ref, o_ref)``): the pool holds e5m2 codes and ``scale_ref[P]`` a
+    power of two per entry (``quant.pack_index_keys``). The codes convert to bf16 exactly in
+    registers and run the same arithmetic; the entry's scale multiplies the f32 head sum before
+    its bf16 rounding. That equals the reference on the decoded keys bit for bit: scaling by a
+    power of two commutes with every bf16 rounding, the relu and the f32 sums of the reference
+    (no value comes near the f32 range limits).
     """
+    scale_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
     G = TB * I
     CP = max(16, TB)  # output columns (>= 16 for the MMA); column c < TB is token t0 + c
     t0 = pl.program_id(0) * TB
@@ -170,9 +181,14 @@ def _score_pool_kernel(nvis_ref, trow_ref, q_ref, w_ref, entry_ref, pool_ref, o_
         ws = [plgpu.load(w_ref.at[pl.ds(toks[j] * I, I)]) for j in range(TB)]
         Es = [jnp.broadcast_to((oc == j)[None, :], (I, CP)).astype(jnp.bfloat16) for j in range(TB)]
 
-    def load_keys(row, n0, vis):
+    def load_keys(row, n0, vis):  # -> (keys [BN, J] bf16, per-entry scales [BN] f32 or None)
         e = plgpu.load(entry_ref.at[row, pl.ds(n0, BN)], mask=vis, other=0)
-        return plgpu.load(pool_ref.at[e[:, None], arj[None, :]], mask=vis[:, None], other=0)
+        kt = plgpu.load(pool_ref.at[e[:, None], arj[None, :]], mask=vis[:, None], other=0.0).astype(jnp.bfloat16)
+        sc = None if scale_ref is None else plgpu.load(scale_ref.at[e], mask=vis, other=1.0)
+        return kt, sc
+
+    def scaled(sums, sc):  # the entry scales (powers of two) on the f32 head sums [BN, CP]
+        return sums if sc is None else sums * sc[:, None]
 
     def products(kt, q, w):  # bf16(relu(bf16(k . q)) * w) per head column: [BN, heads] bf16
         return _products(plgpu.dot(kt, q, trans_b=True), w, interpret)
@@ -184,15 +200,16 @@ def _score_pool_kernel(nvis_ref, trow_ref, q_ref, w_ref, entry_ref, pool_ref, o_
 
     def shared_tile(i, carry):
         n0 = start + i * BN
-        finish(plgpu.dot(products(load_keys(row0, n0, n0 + ar < nv_max), Q, W), E), n0)
+        kt, sc = load_keys(row0, n0, n0 + ar < nv_max)
+        finish(scaled(plgpu.dot(products(kt, Q, W), E), sc), n0)
         return carry
 
     def own_tile(i, carry):  # token j: its own keys, its own I head columns, output column j
         n0 = start + i * BN
         sums = None
         for j in range(TB):
-            p = products(load_keys(rows[j], n0, n0 + ar < nvs[j]), qs[j], ws[j])
-            part = plgpu.dot(p, Es[j])
+            kt, sc = load_keys(rows[j], n0, n0 + ar < nvs[j])
+            part = scaled(plgpu.dot(products(kt, qs[j], ws[j]), Es[j]), sc)  # nonzero in column j only
             sums = part if sums is None else sums + part
         finish(sums, n0)
         return carry
@@ -222,6 +239,14 @@ def _score_blocking(T: int, N: int, block_n: int | None, tiles_per_program: int 
     return BN, TPP, _cdiv(n_tiles, TPP)
 
 
+def _i32_offsets_overflow(ref_like) -> bool:
+    """Pallas' Triton lowering (jax 0.11.2) picks 64-bit element offsets only when an array has
+    more than 2^32 *bytes*; a 1-byte array of 2^31 .. 2^32 elements gets signed 32-bit offsets
+    that wrap (seen on an H200: half of the scores wrong on a 2^32-element e5m2 pool)."""
+    n = int(ref_like.size)
+    return 2 ** 31 <= n * ref_like.dtype.itemsize <= 2 ** 32 and ref_like.dtype.itemsize < 2
+
+
 def _check_score_shapes(I: int, J: int):
     if I & (I - 1) or J & (J - 1) or I < 16 or J < 16:
         raise NotImplementedError(f"indexer scoring kernel needs power-of-2 heads/dims >= 16, got I={I}, J={J}")
@@ -249,13 +274,24 @@ def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T, *, interpret: bool = False, 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_n", "tiles_per_program", "tokens_per_program",
                                              "num_warps", "num_stages"))
-def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, *, interpret: bool = False,
-                        block_n: int | None = None, tiles_per_program: int | None = None,
+def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P=None, *,
+                        interpret: bool = False, block_n: int | None = None, tiles_per_program: int | None = None,
                         tokens_per_program: int | None = None, num_warps: int = 4, num_stages: int = 3):
     """Same scores with keys read straight from the cache pool: token ``t``'s key ``j`` is
     ``pool_PJ[entry_RN[token_row_T[t], j]]`` (what the model materialises today as
     ``take(pool, entry)[token_row]``: ``T*N*J`` bf16 copied per call). Entries at or past
-    ``n_visible`` are never read (may be garbage)."""
+    ``n_visible`` are never read (may be garbage). With ``pool_scale_P`` the pool holds fp8
+    codes and key p is ``pool_PJ[p] * pool_scale_P[p]`` (``quant.pack_index_keys``; half the key
+    bytes of a bf16 pool, the same scores)."""
+    if pool_scale_P is None:
+        pool_PJ = pool_PJ.astype(jnp.bfloat16)
+    elif pool_PJ.dtype not in (jnp.float8_e5m2, jnp.float8_e4m3fn) or pool_scale_P.shape != pool_PJ.shape[:1]:
+        raise ValueError(f"indexer_scores_pool: coded pool {pool_PJ.dtype}{pool_PJ.shape} with scales "
+                         f"{pool_scale_P.shape}: expected fp8 codes [P, J] and scales [P]")
+    if _i32_offsets_overflow(pool_PJ):
+        raise ValueError(f"indexer_scores_pool: pool {pool_PJ.dtype}{pool_PJ.shape} has {pool_PJ.size} elements: "
+                         "Pallas' Triton lowering (jax 0.11.2) would address it with 32-bit offsets that "
+                         "overflow; use the reference (ops does) or a pool of < 2^31 or > 2^32 bytes")
     T, I, J = q_TIJ.shape
     N = entry_RN.shape[1]
     _check_score_shapes(I, J)
@@ -275,7 +311,8 @@ def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T
         interpret=interpret,
         name="indexer_scores_pool",
     )(n_visible_T.astype(jnp.int32), token_row_T.astype(jnp.int32), q_TIJ.astype(jnp.bfloat16).reshape(T * I, J),
-      w_TI.reshape(T * I), entry_RN.astype(jnp.int32), pool_PJ.astype(jnp.bfloat16))
+      w_TI.reshape(T * I), entry_RN.astype(jnp.int32), pool_PJ,
+      *(() if pool_scale_P is None else (pool_scale_P.astype(jnp.float32),)))
 
 
 # --------------------------------------------------------------------------------- selection
@@ -524,9 +561,10 @@ def indexer_topk(q_TIJ, k_TNJ, w_TI, n_visible_T, k_top: int, *, interpret: bool
                           interpret=interpret)
 
 
-def indexer_topk_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, k_top: int, *,
+def indexer_topk_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, k_top: int, pool_scale_P=None, *,
                       interpret: bool = False):
-    s = indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, interpret=interpret)
+    s = indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P,
+                            interpret=interpret)
     return topk_positions(s, k_top, interpret=interpret)
 
 
@@ -540,11 +578,12 @@ def _scores_op(q_TIJ, k_TNJ, w_TI, n_visible_T):
     return indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T)
 
 
-def _scores_pool_op(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T):
+def _scores_pool_op(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P=None):
     I, J = q_TIJ.shape[1:]
-    if I & (I - 1) or J & (J - 1) or I < 16 or J < 16:
-        return indexer_topk_ref.indexer_scores_pool_ref(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T)
-    return indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T)
+    if I & (I - 1) or J & (J - 1) or I < 16 or J < 16 or _i32_offsets_overflow(pool_PJ):
+        return indexer_topk_ref.indexer_scores_pool_ref(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T,
+                                                        pool_scale_P)
+    return indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P)
 
 
 def _topk_op(score_TN, k: int):

@@ -26,10 +26,15 @@ def indexer_scores_ref(q_TIJ: jax.Array, k_TNJ: jax.Array, w_TI: jax.Array, n_vi
 
 
 def indexer_scores_pool_ref(q_TIJ: jax.Array, pool_PJ: jax.Array, entry_RN: jax.Array, token_row_T: jax.Array,
-                            w_TI: jax.Array, n_visible_T: jax.Array) -> jax.Array:
-    """``indexer_scores_ref`` with token ``t``'s keys ``pool_PJ[entry_RN[token_row_T[t]]]`` (gathered here)."""
-    k_TNJ = jnp.take(pool_PJ, entry_RN, axis=0, mode="clip")[token_row_T]
-    return indexer_scores_ref(q_TIJ, k_TNJ, w_TI, n_visible_T)
+                            w_TI: jax.Array, n_visible_T: jax.Array, pool_scale_P: jax.Array | None = None) -> jax.Array:
+    """``indexer_scores_ref`` with token ``t``'s keys ``pool_PJ[entry_RN[token_row_T[t]]]`` (gathered here).
+    With ``pool_scale_P`` the pool holds codes and the key of entry p is ``pool_PJ[p] * pool_scale_P[p]``
+    (``quant.pack_index_keys``)."""
+    k_RNJ = jnp.take(pool_PJ, entry_RN, axis=0, mode="clip")
+    if pool_scale_P is not None:
+        s_RN = jnp.take(pool_scale_P, entry_RN, axis=0, mode="clip")
+        k_RNJ = (k_RNJ.astype(jnp.float32) * s_RN.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
+    return indexer_scores_ref(q_TIJ, k_RNJ[token_row_T], w_TI, n_visible_T)
 
 
 def candidate_blocks_ref(score_TN: jax.Array, n_visible_T: jax.Array, topk_blocks: int, block: int) -> jax.Array:

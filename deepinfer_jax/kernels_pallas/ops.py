@@ -68,10 +68,11 @@ def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T):
     return _pick("indexer_scores", indexer_topk_ref.indexer_scores_ref)(q_TIJ, k_TNJ, w_TI, n_visible_T)
 
 
-def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T):
-    """``indexer_scores`` with keys ``pool_PJ[entry_RN[token_row_T[t]]]`` read in place (no gather copy)."""
+def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P=None):
+    """``indexer_scores`` with keys ``pool_PJ[entry_RN[token_row_T[t]]]`` read in place (no gather copy);
+    with ``pool_scale_P`` the pool holds codes scaled per entry (``quant.pack_index_keys``)."""
     return _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)(q_TIJ, pool_PJ, entry_RN, token_row_T,
-                                                                                  w_TI, n_visible_T)
+                                                                                  w_TI, n_visible_T, pool_scale_P)
 
 
 def candidate_blocks(score_TN, n_visible_T, topk_blocks: int, block: int):

@@ -95,6 +95,35 @@ def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> ja
     return (e2m1_round(v) * s).reshape(x.shape).astype(x.dtype)
 
 
+# ----------------------------------------------------------------------------- index-key storage
+INDEX_KEY_DTYPE = jnp.float8_e5m2
+_E5M2_TOP = 14  # a row's amax lands in [2^14, 2^15): under e5m2's max 57344 = 1.75 * 2^15
+
+
+def pack_index_keys(k_NJ: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp4-QDQ'd index keys -> (e5m2 codes ``[..., J]``, f32 power-of-two row scales ``[...]``).
+
+    The indexer's keys are e2m1 values times a power of two per 32 (``act_quant_fp4(..., 32,
+    "ue8m0")``): two significant bits each. One power-of-two scale per key row ``2^E`` (``E`` from
+    the row's amax, so that amax / 2^E lies in [2^14, 2^15)) leaves codes that e5m2 (three
+    significant bits, 2^-16 .. 57344) holds *exactly* whenever every nonzero entry of the row is
+    at least amax * 2^-29 (29 binades; k_norm'd keys span a few). Smaller entries would round on
+    the e5m2 subnormal grid (towards zero): their share of any q . k term is below 2^-29 of the
+    row's largest. Within that condition ``unpack_index_keys`` returns the bf16 keys bit for bit:
+    half the bytes of bf16 storage, the same scores. A zero row gets scale 1."""
+    kf = k_NJ.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(kf), axis=-1)
+    _, ex = jnp.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2(amax)) = ex - 1
+    e = jnp.where(amax > 0, jnp.clip(ex - 1 - _E5M2_TOP, -126, 127 - 15), 0)
+    codes = jnp.ldexp(kf, -e[..., None]).astype(INDEX_KEY_DTYPE)
+    return codes, jnp.ldexp(jnp.ones_like(amax), e)
+
+
+def unpack_index_keys(codes_NJ: jax.Array, scale_N: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """Inverse of ``pack_index_keys``: ``codes * scale`` (exact: a power-of-two scale)."""
+    return (codes_NJ.astype(jnp.float32) * scale_N.astype(jnp.float32)[..., None]).astype(dtype)
+
+
 # ----------------------------------------------------------------------------- stored weights
 def e8m0_to_f32(e: jax.Array) -> jax.Array:
     """Raw ue8m0 exponent bytes -> fp32 powers of two (2^(e-127))."""

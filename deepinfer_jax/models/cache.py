@@ -4,6 +4,14 @@
   (position p in ring slot p % W), fp8-QDQ'd bf16 values.
 * ``comp_kv[i]`` / ``index_k[i]``: per KV-source layer ``kv_source_layer_ids[i]`` with ratio r,
   paged ``[B, P, A]`` / ``[B, P, J]`` with ``P = block_tokens // r`` compressed entries per block.
+  ``CacheConfig.index_key_dtype``: ``"bf16"`` (default) stores the fp4-QDQ'd keys as bf16 and
+  ``index_k_scale`` is empty; ``"fp8"`` stores e5m2 codes and ``index_k_scale[i]`` ``[B, P]`` f32,
+  one power-of-two scale per key (``quant.pack_index_keys``: the same keys exactly, 132 instead of
+  256 bytes a key at J = 128; scores and outputs are bit-identical). ``index_keys(cache, i)``
+  gives the keys as bf16 either way. Measured on an H200 (``kernel_bench/indexer_topk.py``):
+  the Triton scoring kernel is not faster on codes (it converts them in registers, which keeps
+  the key loads off the pipelined shared-memory path) and prefill scoring of one request row is
+  ~25% slower, so fp8 is the capacity option, not the speed one.
 * ``comp_state_kv[i]`` / ``comp_state_score[i]``: the compressor's pending group per slot,
   fp32 ``[S, r, A]`` (unused for r = 1 sources, kept ``[S, 1, A]`` for a uniform pytree).
 * ``dspark_window[k]``: per DSpark stage, ring of ``kv(main_x)`` per slot ``[S, W, A]``.
@@ -16,6 +24,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.layers import quant
+
+
+INDEX_KEY_DTYPES = ("bf16", "fp8")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -23,11 +36,14 @@ class CacheConfig:
     num_blocks: int = 64        # paged blocks of the compressed caches
     block_tokens: int = 64      # positions per block: a multiple of every ratio and candidate block
     max_blocks_per_seq: int = 16
+    index_key_dtype: str = "bf16"  # "bf16" | "fp8" (e5m2 codes + a scale per key; see the module doc)
 
     def validate(self, cfg) -> "CacheConfig":
         for f in ("num_slots", "num_blocks", "block_tokens", "max_blocks_per_seq"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CacheConfig.{f}={getattr(self, f)!r}: must be >= 1")
+        if self.index_key_dtype not in INDEX_KEY_DTYPES:
+            raise ValueError(f"CacheConfig.index_key_dtype={self.index_key_dtype!r}: expected one of {INDEX_KEY_DTYPES}")
         for r in set(cfg.compress_ratios):
             if r and self.block_tokens % r:
                 raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: not a multiple of ratio {r}")
@@ -50,23 +66,35 @@ class ModelCache:
     window: tuple
     comp_kv: tuple
     index_k: tuple
+    index_k_scale: tuple
     comp_state_kv: tuple
     comp_state_score: tuple
     dspark_window: tuple
+
+
+def index_keys(cache: ModelCache, i: int) -> jax.Array:
+    """KV source ``i``'s index keys ``[B, P, J]`` as bf16 (decoded when stored as codes)."""
+    if not cache.index_k_scale:
+        return cache.index_k[i]
+    return quant.unpack_index_keys(cache.index_k[i], cache.index_k_scale[i])
 
 
 def allocate_cache(cfg, cc: CacheConfig) -> ModelCache:
     cc.validate(cfg)
     S, W, A, J = cc.num_slots, cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
     window = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(cfg.num_hidden_layers))
-    comp_kv, index_k, st_kv, st_sc = [], [], [], []
+    comp_kv, index_k, index_s, st_kv, st_sc = [], [], [], [], []
     for src in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[src]
         P = cc.block_tokens // r
         comp_kv.append(jnp.zeros((cc.num_blocks, P, A), jnp.bfloat16))
-        index_k.append(jnp.zeros((cc.num_blocks, P, J), jnp.bfloat16))
+        coded = cc.index_key_dtype == "fp8"
+        index_k.append(jnp.zeros((cc.num_blocks, P, J), quant.INDEX_KEY_DTYPE if coded else jnp.bfloat16))
+        if coded:
+            index_s.append(jnp.ones((cc.num_blocks, P), jnp.float32))
         st_kv.append(jnp.zeros((S, r if r > 1 else 1, A), jnp.float32))
         st_sc.append(jnp.full((S, r if r > 1 else 1, A), -jnp.inf, jnp.float32))
     n_stages = cfg.num_nextn_predict_layers if cfg.dspark_enabled else 0
     dspark = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(n_stages))
-    return ModelCache(window, tuple(comp_kv), tuple(index_k), tuple(st_kv), tuple(st_sc), dspark)
+    return ModelCache(window=window, comp_kv=tuple(comp_kv), index_k=tuple(index_k), index_k_scale=tuple(index_s),
+                      comp_state_kv=tuple(st_kv), comp_state_score=tuple(st_sc), dspark_window=dspark)

@@ -123,7 +123,8 @@ class ModelRunner:
         self.state_leaves, state_treedef = jax.tree.flatten(state)
         self._step = step_function(self.graphdef, state_treedef)
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
-                                        block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq)
+                                        block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
+                                        index_key_dtype=ec.index_key_dtype)
         self.cache = allocate_cache(self.cfg, self.cache_config)
         if mesh is not None:
             from deepinfer_jax.sharding.partition import shard_cache

@@ -3,7 +3,9 @@
 Queries ``qI = wq_b(q_lora activation)`` (RoPE, fp4 QDQ), head weights
 ``w = weights_proj(x) / sqrt(index_dim * index_heads)``; keys are the index-key cache of the
 layer's KV source (written by the source, from the compressor latent before RoPE:
-``k_norm(wk(latent))``, RoPE at the group's first position, fp4 QDQ). Every index layer scores
+``k_norm(wk(latent))``, RoPE at the group's first position, fp4 QDQ; stored as bf16, or with
+``CacheConfig.index_key_dtype="fp8"`` as e5m2 codes plus a power-of-two scale per key,
+``quant.pack_index_keys``, which holds those values exactly). Every index layer scores
 against the keys of all groups its KV source has completed, at every step. The candidate source
 publishes the best ``candidate_topk_blocks`` blocks; later index layers mask the rest.
 """
@@ -44,6 +46,11 @@ class Indexer(nnx.Module):
         cache = ctx.cache["index_k"][src]
         flat = cache.reshape(-1, cache.shape[-1])
         dst = jnp.where(done_T & (ctx.pos >= ctx.cache_start_T), ctx.entry_index(ctx.pos // ratio, ratio), DROP)
+        if ctx.cache["index_k_scale"]:  # fp8 cache: e5m2 codes + a power of two per key (exact)
+            k, scale = quant.pack_index_keys(k)
+            cache_s = ctx.cache["index_k_scale"][src]
+            ctx.cache["index_k_scale"][src] = (cache_s.reshape(-1).at[dst].set(scale, mode="drop")
+                                               .reshape(cache_s.shape))
         ctx.cache["index_k"][src] = flat.at[dst].set(k, mode="drop").reshape(cache.shape)
 
     def __call__(self, ctx: StepContext, x_TD, qr_TQ, src: int, ratio: int, freqs: np.ndarray,
@@ -54,10 +61,11 @@ class Indexer(nnx.Module):
         scale = np.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)
         w = (self.weights_proj(x_TD).astype(jnp.float32) * scale).astype(jnp.bfloat16)
         cache = ctx.cache["index_k"][src]
+        scale = ctx.cache["index_k_scale"][src].reshape(-1) if ctx.cache["index_k_scale"] else None
         n_vis = ctx.n_visible(ratio)
         # keys read in place from the paged cache (each row's entries), not gathered per token
         score = ops.indexer_scores_pool(q, cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio),
-                                        ctx.batch.token_row, w, n_vis)
+                                        ctx.batch.token_row, w, n_vis, scale)
         if self.is_candidate_source:
             cand = ops.candidate_blocks(score, n_vis, self.cand_blocks, self.cand_block)
             ctx.candidates[src] = cand
