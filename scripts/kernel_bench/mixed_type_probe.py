@@ -20,6 +20,11 @@ streams int8 at >= ~0.7 of copy here, the register-A warp-specialized design can
 fp8 target (fp8 >= 1.5x bf16 needs ~0.67 of copy on fp8 bytes); the e4m3 upcast with per-32
 scales costs a few more ALU operations per weight than int8 -> bf16.
 
+Measured (H200, 2026-11-29, ``benchmarks/results/mixed_type_probe_NVIDIA_H200.json``): the
+example's best launch (tile_m 128, tile_k 128, 4 steps) streams the int8 bytes at 0.53 of copy
+(55.9 us); ours_fp8 0.38 (82.1 us), ours_bf16 0.93 (63.8 us). Below the ~0.67 that fp8 >= 1.5x
+bf16 needs, so the register-A design alone does not reach the target on this chip.
+
     python scripts/kernel_bench/mixed_type_probe.py [--n 64] [--json FILE]
 Needs a GPU (the example kernel reads the device's SM count).
 """
