@@ -135,6 +135,20 @@ def test_aligned_layout(sizes, m_rows, bm):
     assert valid[pos[real]].all()
 
 
+def test_count_at_most_is_searchsorted_without_a_loop():
+    """The layout's group lookups equal ``searchsorted(side="right")`` (ties, empty groups,
+    values outside the range) and leave no XLA while loop in the MoE step."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        a = np.sort(rng.integers(0, 40, rng.integers(1, 12))).astype(np.int32)
+        v = rng.integers(-3, 45, (rng.integers(1, 5), rng.integers(1, 30))).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(tiling.count_at_most(jnp.asarray(a), jnp.asarray(v))),
+                                      np.searchsorted(a, v, side="right"))
+    text = jax.jit(lambda g: (tiling.aligned_layout(g, 512, 64).tile_group, tiling.group_of_row(g, 512))).lower(
+        jnp.zeros((8,), jnp.int32)).as_text()
+    assert "while" not in text
+
+
 @pytest.mark.parametrize("m_rows,n_groups,bm", [(512, 8, 64), (128, 8, 64), (2048, 8, 128), (300, 6, 64)])
 def test_expected_active_tiles_matches_uniform_routing(m_rows, n_groups, bm):
     """The tile-count estimate the decode tiling relies on equals the mean number of row tiles

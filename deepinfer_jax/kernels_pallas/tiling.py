@@ -194,6 +194,14 @@ class AlignedLayout:
         return jnp.where(group >= 0, self.padded_start[gc] + row - self.group_start[gc], 0)
 
 
+def count_at_most(sorted_E: jax.Array, v: jax.Array) -> jax.Array:
+    """``searchsorted(sorted_E, v, side="right")`` for a short sorted ``[E]`` (int32): the count
+    of entries <= each ``v``, as one compare-and-sum fusion. ``jnp.searchsorted``'s default
+    lowers to an XLA while loop (a binary search of log2(E) iterations), and a while loop in a
+    step costs the GPU a host round trip per iteration."""
+    return jnp.sum(sorted_E[None, :] <= v.reshape(-1)[:, None], axis=1, dtype=jnp.int32).reshape(v.shape)
+
+
 def aligned_layout(group_sizes: jax.Array, m_rows: int, block_m: int) -> AlignedLayout:
     """Build the aligned layout of ``group_sizes`` (int32 ``[E]``, sum <= ``m_rows``)."""
     gs = group_sizes.astype(jnp.int32)
@@ -204,7 +212,7 @@ def aligned_layout(group_sizes: jax.Array, m_rows: int, block_m: int) -> Aligned
     tile_begin = tile_end - tiles_per_group
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     # group of tile t = number of groups whose tiles end at or before t (empty groups own none)
-    owner = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    owner = count_at_most(tile_end, t)
     tile_group = jnp.where(t < tile_end[-1], owner, -1).astype(jnp.int32)
     group_start = (jnp.cumsum(gs) - gs).astype(jnp.int32)
     return AlignedLayout(tile_group=tile_group, group_start=group_start,
@@ -216,7 +224,7 @@ def group_of_row(group_sizes: jax.Array, m_rows: int) -> jax.Array:
     """Group id of each of ``m_rows`` sorted rows (``-1`` past ``sum(group_sizes)``)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     r = jnp.arange(m_rows, dtype=jnp.int32)
-    g = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+    g = count_at_most(ends, r)
     return jnp.where(r < ends[-1], g, -1)
 
 
