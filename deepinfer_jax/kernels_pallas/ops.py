@@ -13,11 +13,12 @@ import os
 import warnings
 from typing import Callable
 
-from deepinfer_jax.kernels_pallas import indexer_topk_ref, moe_gmm_ref, sparse_attention_ref
+from deepinfer_jax.kernels_pallas import indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
 # Kernel modules imported on first use on their platform; each registers its ops on import.
+# (kernels_pallas/sinkhorn.py is not listed yet: it has not run on a GPU; see its docstring.)
 _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
             "deepinfer_jax.kernels_pallas.moe_gmm"),
@@ -81,6 +82,11 @@ def candidate_blocks(score_TN, n_visible_T, topk_blocks: int, block: int):
 
 def topk_positions(score_TN, k: int):
     return _pick("topk_positions", indexer_topk_ref.topk_positions_ref)(score_TN, k)
+
+
+def sinkhorn_iterate(comb_TCC, n: int, eps: float):
+    """``n`` mHC Sinkhorn steps (row then column normalisation) on fp32 ``[T, C, C]``."""
+    return _pick("sinkhorn_iterate", sinkhorn_ref.sinkhorn_iterate_ref)(comb_TCC, n, eps)
 
 
 def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):

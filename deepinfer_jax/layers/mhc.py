@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.layers.linear import HIGHEST
 
 
-def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: int, iters: int, eps: float):
-    """Split mixes into ``pre [T, C]``, ``post [T, C]``, ``comb [T, C, C]`` (all fp32)."""
+def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: int, iters: int, eps: float,
+                   iterate=None):
+    """Split mixes into ``pre [T, C]``, ``post [T, C]``, ``comb [T, C, C]`` (all fp32). ``iterate``:
+    the function running the remaining Sinkhorn steps (default ``ops.sinkhorn_iterate``)."""
     m = m_TZ.astype(jnp.float32)
     s = scale_3.astype(jnp.float32)
     b = base_Z.astype(jnp.float32)
@@ -28,11 +31,7 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
 
-    def sinkhorn_step(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    comb = jax.lax.fori_loop(0, iters - 1, sinkhorn_step, comb)  # a loop, not 2x19 unrolled ops
+    comb = (iterate or ops.sinkhorn_iterate)(comb, iters - 1, eps)  # kernels_pallas/sinkhorn_ref.py
     return pre, post, comb
 
 
