@@ -1,8 +1,8 @@
 """mHC Sinkhorn iterations as one Pallas kernel (Triton lowering, NVIDIA GPU).
 
 Why: the reference (``sinkhorn_ref``) is a ``fori_loop`` of 19 steps on a tiny ``[T, 4, 4]``
-array; XLA runs it as a GPU while loop, a few kernel launches and a host round trip per
-iteration. Measured on an H200 (``scripts/kernel_bench/step_glue_probe.py``, 2026-11-29): 420 us
+array; XLA runs it as a GPU while loop, whose iterations each cost far more than their
+arithmetic. Measured on an H200 (``scripts/kernel_bench/step_glue_probe.py``, 2026-11-29): 420 us
 per ``sinkhorn_split`` call at T = 64 (~22 us an iteration), and a V4.1 step makes two calls per
 layer: at the e2e bench's 6-layer slice that is ~5 ms of the 12.5 ms decode step. Here the whole
 loop runs in registers: one program per ``block_t`` tokens, the same jnp step (row sums, then
