@@ -22,3 +22,34 @@ def golden_dir() -> Path:
     if not root.is_dir():
         pytest.skip(f"golden data not found at {root} (set DEEPINFER_GOLDEN)")
     return root
+
+
+def on_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.default_backend() == "gpu"
+    except Exception:
+        return False
+
+
+# (interpret, marks) of a kernel test: the CPU run interprets; the device run (-m device) compiles.
+KERNEL_MODES = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="gpu", marks=[pytest.mark.device, pytest.mark.skipif(not on_gpu(), reason="needs a GPU")]),
+]
+
+
+@pytest.fixture
+def sm90_lowering(monkeypatch):
+    """Lower Pallas Triton kernels for an H200 on a machine without a GPU (``lowering_platforms=
+    ("cuda",)``): Pallas asks the local GPU for its compute capability; this answers for it."""
+    import warnings
+
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
+        yield

@@ -12,23 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES, on_gpu
 from deepinfer_jax.kernels_pallas import indexer_topk as K
 from deepinfer_jax.kernels_pallas import indexer_topk_ref as R
 
 
-def _on_gpu() -> bool:
-    try:
-        return jax.default_backend() == "gpu"
-    except Exception:
-        return False
-
-
-# (interpret, marks): the CPU run interprets; the device run compiles.
-MODES = [
-    pytest.param(True, id="interpret"),
-    pytest.param(False, id="gpu", marks=[pytest.mark.device,
-                                         pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")]),
-]
+MODES = KERNEL_MODES
 
 
 def _inputs(rng, T, N, I, J, n_vis=None):
@@ -161,23 +150,15 @@ def test_scores_pool_coded_keys(interpret):
 
 
 @pytest.mark.parametrize("coded,tb", [(False, 2), (True, 1), (True, 2)])
-def test_lowers_to_triton_sm90(monkeypatch, coded, tb):
+def test_lowers_to_triton_sm90(sm90_lowering, coded, tb):
     """Pallas -> Triton IR for an H200 on the CPU: interpret mode never lowers, and an op Triton's
     lowering rejects (an int constant cast to fp8, say) would otherwise first fail on the GPU."""
-    import warnings
-
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     T, N, I, J, P, S = 8, 256, 32, 128, 4096, jax.ShapeDtypeStruct
     pool = S((P, J), jnp.float8_e5m2 if coded else jnp.bfloat16)
     args = (S((T, I, J), jnp.bfloat16), pool, S((T, N), jnp.int32), S((T,), jnp.int32), S((T, I), jnp.bfloat16),
             S((T,), jnp.int32), S((P,), jnp.float32) if coded else None)
     fn = jax.jit(lambda *a: K.topk_positions(K.indexer_scores_pool(*a, tokens_per_program=tb), 64))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 5  # scores + the four selection kernels
 
 
@@ -234,7 +215,7 @@ def test_ops_dispatch_cpu_unchanged():
 
 
 @pytest.mark.device
-@pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU")
 def test_ops_dispatch_gpu_registered():
     from deepinfer_jax.kernels_pallas import ops
 
@@ -243,7 +224,7 @@ def test_ops_dispatch_gpu_registered():
 
 
 @pytest.mark.device
-@pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("T,N", [(8, 16384), (4, 131072)])
 def test_gpu_model_scale(T, N):
     """V4.1 shapes (I=32, J=128, k=512) on the GPU: exact top-k on our scores, scores within 1 ulp."""

@@ -6,28 +6,16 @@ normalisation keep such differences at that level)."""
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import KERNEL_MODES
 from deepinfer_jax.kernels_pallas import ops, sinkhorn, sinkhorn_ref
 
 
-def _on_gpu() -> bool:
-    try:
-        return jax.default_backend() == "gpu"
-    except Exception:
-        return False
-
-
-MODES = [
-    pytest.param(True, id="interpret"),
-    pytest.param(False, id="gpu", marks=[pytest.mark.device,
-                                         pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")]),
-]
+MODES = KERNEL_MODES
 
 
 def _comb(T, C, seed):
@@ -61,16 +49,10 @@ def test_zero_steps_and_empty_batch():
 
 
 @pytest.mark.parametrize("T", [64, 4096, 300])
-def test_lowers_to_triton_sm90(monkeypatch, T):
+def test_lowers_to_triton_sm90(sm90_lowering, T):
     """Pallas -> Triton IR for an H200 on the CPU: one custom call, no while loop left in the step."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
-        text = sinkhorn.sinkhorn_iterate.trace(jax.ShapeDtypeStruct((T, 4, 4), jnp.float32), 19, 1e-6).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = sinkhorn.sinkhorn_iterate.trace(jax.ShapeDtypeStruct((T, 4, 4), jnp.float32), 19, 1e-6).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.while" not in text
 

@@ -18,7 +18,6 @@ to the other (GPU: 3e-4 and 2x, for margin).
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -214,18 +213,12 @@ def test_unsupported_head_dim_falls_back():
 
 @pytest.mark.parametrize("T,H,widths,exact", [(256, 64, (128, 512), True), (4, 64, (128, 512), False),
                                               (17, 64, (100, 130), True), (3, 16, (8, 64), True)])
-def test_lowers_to_triton_sm90(monkeypatch, T, H, widths, exact):
+def test_lowers_to_triton_sm90(sm90_lowering, T, H, widths, exact):
     """Pallas -> Triton IR for an H200 on the CPU (catches unsupported ops and shapes early)."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     A, S = 512, jax.ShapeDtypeStruct
     args = (S((T, H, A), jnp.bfloat16), tuple(S((4096 * (i + 1), A), jnp.bfloat16) for i in range(len(widths))),
             tuple(S((T, M), jnp.int32) for M in widths), S((H,), jnp.float32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
-        text = sa.sparse_attention.trace(*args, A ** -0.5, exact).lower(lowering_platforms=("cuda",)).as_text()
+    text = sa.sparse_attention.trace(*args, A ** -0.5, exact).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (1 if exact else 2)
 
 

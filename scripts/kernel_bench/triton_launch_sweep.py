@@ -59,6 +59,19 @@ def _row(rows, copy_bps, nbytes, t, ref, out, **kw):
           f"err {r.get('err', 0):.1e} {keys}", flush=True)
 
 
+def _measure(rows, copy_bps, nbytes, ref, run, kw):
+    """``run() -> (output, seconds)``; a launch Triton rejects (shared memory, registers) is
+    recorded with its error and the sweep goes on."""
+    try:
+        out, t = run()
+    except Exception as e:  # noqa: BLE001
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+        print(f"{kw['op']} {kw}: {why}", flush=True)
+        rows.append(dict(kw, error=why))
+        return
+    _row(rows, copy_bps, nbytes, t, ref, out, **kw)
+
+
 def sweep_sparse(rows, copy_bps, budget: _Budget, Ts=(64, 256)):
     import jax
     import numpy as np
@@ -84,14 +97,7 @@ def sweep_sparse(rows, copy_bps, budget: _Budget, Ts=(64, 256)):
                       default=(bh, nw, ns) == (bh0, nw0, ns0))
             fn = jax.jit(lambda q, p, i, s, bh=bh, nw=nw, ns=ns: S.sparse_attention(
                 q, p, i, s, scale, True, block_h=bh, num_warps=nw, num_stages=ns))
-            try:
-                out = fn(*sets[0])
-                t = _timeit(fn, sets, 20)
-            except Exception as e:  # noqa: BLE001  (a launch Triton rejects: keep sweeping)
-                print(f"sparse {kw}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
-                rows.append(dict(kw, error=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"))
-                continue
-            _row(rows, copy_bps, nbytes, t, ref, out, **kw)
+            _measure(rows, copy_bps, nbytes, ref, lambda: (fn(*sets[0]), _timeit(fn, sets, 20)), kw)
         del sets
 
 
@@ -134,14 +140,7 @@ def sweep_scores(rows, copy_bps, budget: _Budget, sizes=((64, 16384), (256, 1638
                 continue  # same as the default tiles_per_program: measured in the None row
             fn = jax.jit(lambda q, k, w, n, bn=bn, tpp=tpp, nw=nw, ns=ns: K.indexer_scores(
                 q, k, w, n, block_n=bn, tiles_per_program=tpp, num_warps=nw, num_stages=ns))
-            try:
-                out = fn(q, keys, w, nv)
-                t = _timeit(fn, (q, keys, w, nv), 10)
-            except Exception as e:  # noqa: BLE001
-                print(f"scores {kw}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
-                rows.append(dict(kw, error=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"))
-                continue
-            _row(rows, copy_bps, nbytes, t, ref, out, **kw)
+            _measure(rows, copy_bps, nbytes, ref, lambda: (fn(q, keys, w, nv), _timeit(fn, (q, keys, w, nv), 10)), kw)
         del keys
 
 
@@ -174,14 +173,7 @@ def sweep_pool(rows, copy_bps, budget: _Budget, sizes=((256, 131072),)):
                       default=(bn, tb, nw, ns) == (64, TB0, 4, 3))
             fn = jax.jit(lambda *a, bn=bn, tb=tb, nw=nw, ns=ns: K.indexer_scores_pool(
                 *a, block_n=bn, tokens_per_program=tb, num_warps=nw, num_stages=ns))
-            try:
-                out = fn(*args)
-                t = _timeit(fn, args, 10)
-            except Exception as e:  # noqa: BLE001
-                print(f"pool {kw}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
-                rows.append(dict(kw, error=f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"))
-                continue
-            _row(rows, copy_bps, nbytes, t, ref, out, **kw)
+            _measure(rows, copy_bps, nbytes, ref, lambda: (fn(*args), _timeit(fn, args, 10)), kw)
         del pool
 
 
