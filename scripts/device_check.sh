@@ -10,7 +10,7 @@
 #   OUT=/tmp/out bash scripts/device_check.sh          # tests only
 #   E2E=1 bash scripts/device_check.sh                 # tests, then the end-to-end bench
 #
-# Time on an H200 box (16 CPU cores; compiles dominate, the four test groups share the CPUs):
+# Time on an H200 box (16 CPU cores; compiles dominate, the five test groups share the CPUs):
 # the tests ~5 min (the model tests, the longest, took 275 s alone and > 300 s beside the MoE
 # kernel tests, 2026-11-29), the end-to-end bench ~4 min more. Where one command may run at
 # most 10 minutes, run the tests and E2E in two calls (E2E alone: `python scripts/bench_e2e.py`).
@@ -45,6 +45,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOGS/gpu.tx
 run_tests moe_kernel -m device tests/test_moe_gmm_kernel.py &
 run_tests sparse_kernel -m device tests/test_sparse_attention_kernel.py &
 run_tests indexer_kernel -m device tests/test_indexer_topk_kernel.py &
+run_tests sinkhorn_kernel -m device tests/test_sinkhorn_kernel.py &
 run_tests model_kernels_on -m "not slow" -rs tests/test_golden.py tests/test_cache_consistency.py tests/test_engine.py &
 if [ -n "${EXTRA:-}" ]; then
   (timeout "$TEST_TIMEOUT" bash -c "$EXTRA" >"$LOGS/extra.log" 2>&1; echo $? >"$LOGS/extra.rc") &
