@@ -61,11 +61,11 @@ class Indexer(nnx.Module):
         scale = np.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)
         w = (self.weights_proj(x_TD).astype(jnp.float32) * scale).astype(jnp.bfloat16)
         cache = ctx.cache["index_k"][src]
-        scale = ctx.cache["index_k_scale"][src].reshape(-1) if ctx.cache["index_k_scale"] else None
+        key_scale = ctx.cache["index_k_scale"][src].reshape(-1) if ctx.cache["index_k_scale"] else None
         n_vis = ctx.n_visible(ratio)
         # keys read in place from the paged cache (each row's entries), not gathered per token
         score = ops.indexer_scores_pool(q, cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio),
-                                        ctx.batch.token_row, w, n_vis, scale)
+                                        ctx.batch.token_row, w, n_vis, key_scale)
         if self.is_candidate_source:
             cand = ops.candidate_blocks(score, n_vis, self.cand_blocks, self.cand_block)
             ctx.candidates[src] = cand
