@@ -149,6 +149,18 @@ def test_scores_pool_coded_keys(interpret):
         K.indexer_scores_pool(q, keys, entry, token_row, w, nv, scale, interpret=interpret)
 
 
+def test_one_byte_pools_beyond_int32_offsets_are_refused():
+    """Pallas' Triton lowering (jax 0.11.2) addresses arrays of <= 2^32 bytes with signed 32-bit
+    element offsets: a 1-byte pool of more than 2^31 elements would wrap (wrong scores on an H200).
+    The kernel refuses it (``ops`` then runs the reference); bf16 pools switch to 64-bit offsets."""
+    S = jax.ShapeDtypeStruct
+    assert not K._i32_offsets_overflow(S((2 ** 24, 128), jnp.float8_e5m2))  # 2^31 elements: offsets fit
+    assert K._i32_offsets_overflow(S((2 ** 24 + 1, 128), jnp.float8_e5m2))
+    assert K._i32_offsets_overflow(S((2 ** 25, 128), jnp.float8_e5m2))  # exactly 2^32 bytes
+    assert not K._i32_offsets_overflow(S((2 ** 25 + 1, 128), jnp.float8_e5m2))  # > 2^32 bytes: 64-bit
+    assert not K._i32_offsets_overflow(S((2 ** 25, 128), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("coded,tb", [(False, 2), (True, 1), (True, 2)])
 def test_lowers_to_triton_sm90(sm90_lowering, coded, tb):
     """Pallas -> Triton IR for an H200 on the CPU: interpret mode never lowers, and an op Triton's

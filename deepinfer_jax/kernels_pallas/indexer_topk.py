@@ -243,7 +243,7 @@ def _i32_offsets_overflow(ref_like) -> bool:
     """Pallas' Triton lowering (jax 0.11.2) picks 64-bit element offsets only when an array has
     more than 2^32 *bytes*; a 1-byte array of 2^31 .. 2^32 elements gets signed 32-bit offsets
     that wrap (seen on an H200: half of the scores wrong on a 2^32-element e5m2 pool)."""
-    return ref_like.dtype.itemsize == 1 and 2 ** 31 <= int(ref_like.size) <= 2 ** 32
+    return ref_like.dtype.itemsize == 1 and 2 ** 31 < int(ref_like.size) <= 2 ** 32
 
 
 def _check_score_shapes(I: int, J: int):
