@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import deepinfer_jax  # noqa: F401  (first: it sets the XLA numerics flags before any backend starts;
+# KERNEL_MODES below asks JAX for its backend at collection time)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
