@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.layers import quant
+
 
 def indexer_scores_ref(q_TIJ: jax.Array, k_TNJ: jax.Array, w_TI: jax.Array, n_visible_T: jax.Array) -> jax.Array:
     """bf16 scores ``[T, N]`` of each token's queries against the keys gathered for its request."""
@@ -32,8 +34,7 @@ def indexer_scores_pool_ref(q_TIJ: jax.Array, pool_PJ: jax.Array, entry_RN: jax.
     (``quant.pack_index_keys``)."""
     k_RNJ = jnp.take(pool_PJ, entry_RN, axis=0, mode="clip")
     if pool_scale_P is not None:
-        s_RN = jnp.take(pool_scale_P, entry_RN, axis=0, mode="clip")
-        k_RNJ = (k_RNJ.astype(jnp.float32) * s_RN.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
+        k_RNJ = quant.unpack_index_keys(k_RNJ, jnp.take(pool_scale_P, entry_RN, axis=0, mode="clip"))
     return indexer_scores_ref(q_TIJ, k_RNJ[token_row_T], w_TI, n_visible_T)
 
 
