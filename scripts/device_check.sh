@@ -24,11 +24,7 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export DEEPINFER_KERNELS=auto
-# the golden tensors live beside the checkout (../shared/golden), which the device machine does
-# not get: carry a copy in an ignored folder (.device_carry/golden) and point the tests at it
-if [ -z "${DEEPINFER_GOLDEN:-}" ] && [ -d .device_carry/golden/v41_tiny ]; then
-  export DEEPINFER_GOLDEN="$PWD/.device_carry/golden/v41_tiny"
-fi
+# the golden tensors ship with the checkout (tests/golden); DEEPINFER_GOLDEN overrides
 TEST_TIMEOUT="${TEST_TIMEOUT:-420}"
 E2E_TIMEOUT="${E2E_TIMEOUT:-240}"
 

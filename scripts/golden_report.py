@@ -12,7 +12,7 @@ with taps, teacher-forced decode steps, DSpark drafts) and prints:
 Use it to see where a platform's numerics depart (e.g. the GPU vs the CPU), which the golden
 tests only answer pass/fail. ``--json FILE`` writes the numbers.
 
-    python scripts/golden_report.py                       # all clean configs, ../shared/golden
+    python scripts/golden_report.py                       # all clean configs, tests/golden (vendored)
     DEEPINFER_KERNELS=ref python scripts/golden_report.py tiny_bf16
 """
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="*", default=list(CLEAN))
     ap.add_argument("--golden", default=os.environ.get("DEEPINFER_GOLDEN",
-                                                       os.path.join(ROOT, "..", "shared", "golden", "v41_tiny")))
+                                                       os.path.join(ROOT, "tests", "golden", "v41_tiny")))
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import deepinfer_jax  # noqa: F401  (first: it sets the XLA numerics flags before a backend starts)

@@ -14,16 +14,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def golden_root() -> Path:
-    """The v41_tiny golden data: ``$DEEPINFER_GOLDEN`` or ``<repo>/../shared/golden/v41_tiny``."""
+    """The v41_tiny golden data: ``$DEEPINFER_GOLDEN`` or the vendored ``tests/golden/v41_tiny``."""
     env = os.environ.get("DEEPINFER_GOLDEN")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "golden" / "v41_tiny"
+    return Path(env) if env else REPO_ROOT / "tests" / "golden" / "v41_tiny"
 
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
+    """The golden data; missing data is a failure, never a skip (it ships with the repository)."""
     root = golden_root()
-    if not root.is_dir():
-        pytest.skip(f"golden data not found at {root} (set DEEPINFER_GOLDEN)")
+    if not (root / "tiny_fp8" / "golden.npz").is_file():
+        pytest.fail(f"golden data not found at {root}: the repository ships it under tests/golden/ "
+                    "(or set DEEPINFER_GOLDEN to a copy)")
     return root
 
 

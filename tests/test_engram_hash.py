@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,9 @@ from deepinfer_jax.models.engram_hash import (
     is_prime,
 )
 
-GOLDEN_ROOT = Path("/work/shared/golden/v41_tiny")
+from conftest import golden_root
+
+GOLDEN_ROOT = golden_root()
 CONFIGS = ["tiny_fp8", "tiny_bf16", "tiny_fp8_long", "tiny_fp8_long_allsel"]
 ENGRAM_FIELDS = (
     "engram_layer_ids",
@@ -28,7 +29,11 @@ ENGRAM_FIELDS = (
     "engram_compressed_vocab_size",
 )
 
-pytestmark = pytest.mark.skipif(not GOLDEN_ROOT.is_dir(), reason="golden data not present")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _golden_present(golden_dir):
+    """Fail (never skip) when the vendored golden data is missing."""
 
 
 def _text_config(name: str) -> types.SimpleNamespace:
