@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from deepinfer_jax.kernels_pallas import indexer_topk_ref
+from deepinfer_jax.kernels_pallas import indexer_topk_ref, ops
 
 _NEG_INF = float("-inf")
 
@@ -433,12 +433,19 @@ def _candidates_kernel(low_ref, s_ref, cand_ref, cnt_ref, *, N: int, SEG: int, B
     cnt_ref[t, g] = lax.fori_loop(0, SEG // BB, body, jnp.int32(0))
 
 
+def _lanes(size: int, dim: int):
+    """Index of ``size`` lanes from 0 into a dimension of ``dim`` entries, for a masked load or
+    store: a slice where it fits, else lane indices clamped to ``dim - 1`` (the lanes past it are
+    masked off; JAX >= 0.12 rejects a static slice that runs past the dimension, masked or not)."""
+    return pl.ds(0, size) if size <= dim else jnp.minimum(jnp.arange(size, dtype=jnp.int32), dim - 1)
+
+
 def _select_kernel(s_ref, cand_ref, cnt_ref, o_ref, *, k: int, KP: int, BC: int, S: int, SP: int, SEG: int):
     """Per row: exact threshold over the candidates (the segments' lists, in order), then an
     order-preserving compaction of the selected positions into ``o[t, :k]``."""
     t = pl.program_id(0)
     ars = jnp.arange(SP, dtype=jnp.int32)
-    cnt = plgpu.load(cnt_ref.at[t, pl.ds(0, SP)], mask=ars < S, other=0)  # [SP]
+    cnt = plgpu.load(cnt_ref.at[t, _lanes(SP, S)], mask=ars < S, other=0)  # [SP]
     incl = jnp.cumsum(cnt)
     pre = incl - cnt
     n_ent = jnp.sum(cnt)
@@ -473,7 +480,7 @@ def _select_kernel(s_ref, cand_ref, cnt_ref, o_ref, *, k: int, KP: int, BC: int,
     gt_n, eq_n = lax.fori_loop(0, n_tiles, body, (jnp.int32(0), jnp.int32(0)))
     total = gt_n + jnp.minimum(eq_n, need)
     ark = jnp.arange(KP, dtype=jnp.int32)
-    plgpu.store(o_ref.at[t, pl.ds(0, KP)], jnp.full((KP,), -1, jnp.int32), mask=(ark >= total) & (ark < k))
+    plgpu.store(o_ref.at[t, _lanes(KP, k)], jnp.full((KP,), -1, jnp.int32), mask=(ark >= total) & (ark < k))
 
 
 def _select_config(N: int, k: int, chunk: int | None = None, seg: int | None = None):
@@ -570,22 +577,35 @@ def indexer_topk_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, 
 # ------------------------------------------------------------------------- ops registration
 
 
-def _scores_op(q_TIJ, k_TNJ, w_TI, n_visible_T):
+def _heads_unsupported(q_TIJ) -> str | None:
     I, J = q_TIJ.shape[1:]
     if I & (I - 1) or J & (J - 1) or I < 16 or J < 16:
+        return f"index heads {I} x head_dim {J}: both must be powers of two >= 16"
+    return None
+
+
+def _scores_op(q_TIJ, k_TNJ, w_TI, n_visible_T):
+    why = _heads_unsupported(q_TIJ)
+    if why is not None:
+        ops.note_fallback("indexer_scores", why)
         return indexer_topk_ref.indexer_scores_ref(q_TIJ, k_TNJ, w_TI, n_visible_T)
     return indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T)
 
 
 def _scores_pool_op(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P=None):
-    I, J = q_TIJ.shape[1:]
-    if I & (I - 1) or J & (J - 1) or I < 16 or J < 16 or _i32_offsets_overflow(pool_PJ):
+    why = _heads_unsupported(q_TIJ)
+    if why is None and _i32_offsets_overflow(pool_PJ):
+        why = f"a 1-byte pool of {pool_PJ.size} elements overflows 32-bit offsets"
+    if why is not None:
+        ops.note_fallback("indexer_scores_pool", why)
         return indexer_topk_ref.indexer_scores_pool_ref(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T,
                                                         pool_scale_P)
     return indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P)
 
 
 def _topk_op(score_TN, k: int):
+    if score_TN.dtype != jnp.bfloat16:
+        ops.note_fallback("topk_positions", f"{score_TN.dtype} scores (the kernel selects on bf16)")
     return topk_positions(score_TN, k)
 
 

@@ -675,20 +675,29 @@ def _fp8_mma_launch(lay, valid, row_src, q, s, weights, route_w, *, n_out, k_in,
 def moe_experts_op(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):
     """What ``ops.moe_experts`` runs on a GPU. One device: the kernel. Several devices: the
     kernel per device under ``shard_map`` over the local experts (``moe_ep.py``) when the step
-    is traced with a context mesh (the engine's runner sets it); without one the partitioned
-    reference runs, since GSPMD would gather every expert's weights onto every device for a
-    custom call. Widths the kernel does not tile, and non-SM90 GPUs, run the reference."""
-    from deepinfer_jax.kernels_pallas import moe_ep, moe_gmm_ref
+    is traced with a context mesh of several devices (the engine's runner sets its mesh, or a
+    one-device mesh, which runs the kernel directly); several devices and no context mesh run
+    the partitioned reference, since GSPMD would gather every expert's weights onto every device
+    for a custom call. Widths the kernel does not tile, and non-SM90 GPUs, run the reference.
+    Every fallback is reported through ``ops.note_fallback``."""
+    from deepinfer_jax.kernels_pallas import moe_ep, moe_gmm_ref, ops
 
     ref = moe_gmm_ref.moe_experts_ref
     args = (x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
-    if not is_hopper() or not shapes_supported(x_TD, idx_TX, w1, fmt, n_experts):
+    if not is_hopper():
+        ops.note_fallback("moe_experts", f"{jax.devices()[0].device_kind} is not an SM90 GPU")
         return ref(*args)
-    if jax.device_count() > 1:
-        mesh = moe_ep.context_mesh()
-        if mesh is None:
-            return ref(*args)
+    if not shapes_supported(x_TD, idx_TX, w1, fmt, n_experts):
+        ops.note_fallback("moe_experts", f"{fmt} experts of widths {tuple(w1[0].shape[1:])} are not tiled")
+        return ref(*args)
+    mesh = moe_ep.context_mesh()
+    if mesh is not None and mesh.size > 1:
         return moe_ep.moe_experts_ep(moe_experts, *args, mesh=mesh)
+    if mesh is None and jax.device_count() > 1:
+        # operands may be sharded by GSPMD, which would gather every expert for a custom call
+        # (the engine's runner always traces with its mesh, a one-device mesh included)
+        ops.note_fallback("moe_experts", "several devices and no context mesh (jax.set_mesh)")
+        return ref(*args)
     return moe_experts(*args)
 
 

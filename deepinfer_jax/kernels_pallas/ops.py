@@ -1,21 +1,37 @@
 """The hot ops behind one function each; the model calls only these.
 
 Each op has a pure-jnp reference (``*_ref.py`` beside this file: the oracle for tests and the
-path on CPU). Pallas kernels (NVIDIA GPU) and Ascend custom calls plug in here per platform;
-``set_backend("reference")`` (or ``DEEPINFER_KERNELS=reference``) forces the references anywhere.
+path on CPU). Pallas kernels (NVIDIA GPU) and Ascend custom calls plug in here per platform.
 Until a kernel is registered for an op, every platform runs the reference.
+
+Which one runs is decided when a step is traced: ``use_backend(name)`` around the trace (the
+engine's runner does this with its own ``kernels`` setting, which is also part of its compiled
+step's cache key), else the process default: ``$DEEPINFER_KERNELS`` or ``set_backend``.
+``"reference"`` forces the references anywhere.
+
+A kernel that cannot take a call (a non-SM90 GPU, operands on several devices without a context
+mesh, a shape it does not tile) runs the reference and says so: ``note_fallback`` logs each
+(op, reason) once and counts it per trace (``fallback_counts``, shown in the engine's stats).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
 import importlib
+import logging
 import os
 import warnings
 from typing import Callable
 
 from deepinfer_jax.kernels_pallas import indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
+BACKENDS = ("auto", "reference")
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
+_ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepinfer_kernels", default=None)
+_FALLBACKS: collections.Counter = collections.Counter()  # (op, reason) -> traced calls
+_log = logging.getLogger("deepinfer_jax.kernels")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
 # Kernel modules imported on first use on their platform; each registers its ops on import.
 # (kernels_pallas/sinkhorn.py is not listed yet: it has not run on a GPU; see its docstring.)
@@ -24,6 +40,7 @@ _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
             "deepinfer_jax.kernels_pallas.moe_gmm"),
 }
 _LOADED: set[str] = set()
+_LOAD_ERRORS: dict[str, list[str]] = {}  # platform -> modules that failed to import
 
 
 def _load_kernels(platform: str) -> None:
@@ -34,16 +51,54 @@ def _load_kernels(platform: str) -> None:
         try:
             importlib.import_module(mod)
         except Exception as e:  # a broken kernel module must not take the reference path down
+            _LOAD_ERRORS.setdefault(platform, []).append(mod.rsplit(".", 1)[-1])
             warnings.warn(f"kernel module {mod} not loaded ({type(e).__name__}: {e}); "
                           "using the references", RuntimeWarning, stacklevel=3)
 
 
+def _checked(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend {name!r}: expected one of {BACKENDS}")
+    return name
+
+
+def default_backend() -> str:
+    """The process default: ``set_backend``'s value, else ``$DEEPINFER_KERNELS``, else ``auto``."""
+    return _checked(_BACKEND)
+
+
 def set_backend(name: str) -> None:
-    """``auto`` (kernel where one is registered for the platform) or ``reference``."""
+    """Process default: ``auto`` (kernel where one is registered for the platform) or
+    ``reference``. Code traced inside ``use_backend`` is not affected."""
     global _BACKEND
-    if name not in ("auto", "reference"):
-        raise ValueError(f"kernel backend {name!r}: expected 'auto' or 'reference'")
-    _BACKEND = name
+    _BACKEND = _checked(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Ops traced inside pick kernels by ``name`` (``None``: the process default)."""
+    token = _ACTIVE.set(None if name is None else _checked(name))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_backend() -> str:
+    return _ACTIVE.get() or default_backend()
+
+
+def note_fallback(op: str, reason: str) -> None:
+    """A kernel of ``op`` runs the reference for ``reason``: logged once, counted per trace."""
+    key = (op, reason)
+    if key not in _FALLBACKS:
+        _log.warning("kernel for %s not used, running the jnp reference: %s", op, reason)
+    _FALLBACKS[key] += 1
+
+
+def fallback_counts() -> dict[str, int]:
+    """``"op: reason" -> traced calls that fell back`` since the process started."""
+    return {f"{op}: {reason}": n for (op, reason), n in sorted(_FALLBACKS.items())}
 
 
 def register_kernel(op: str, platform: str, fn: Callable) -> None:
@@ -51,13 +106,18 @@ def register_kernel(op: str, platform: str, fn: Callable) -> None:
 
 
 def _pick(op: str, ref: Callable) -> Callable:
-    if _BACKEND == "reference":
+    if current_backend() == "reference":
         return ref
     import jax
 
     platform = jax.default_backend()
     _load_kernels(platform)
-    return _KERNELS.get((op, platform), ref)
+    fn = _KERNELS.get((op, platform))
+    if fn is None:
+        if _LOAD_ERRORS.get(platform):
+            note_fallback(op, f"kernel modules {_LOAD_ERRORS[platform]} did not load on {platform}")
+        return ref
+    return fn
 
 
 def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = True):

@@ -320,9 +320,12 @@ def sparse_attention_op(q_THA, pools, idxs, sink_H, scale: float, exact: bool = 
         scale_f = float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError):
         scale_f = None
-    if scale_f is None or supported(q_THA, pools, idxs) is not None:
+    why = "a traced softmax scale" if scale_f is None else supported(q_THA, pools, idxs)
+    if why is not None:
+        from deepinfer_jax.kernels_pallas import ops
         from deepinfer_jax.kernels_pallas.sparse_attention_ref import sparse_attention_ref
 
+        ops.note_fallback("sparse_attention", why)
         return sparse_attention_ref(q_THA, pools, idxs, sink_H, scale, exact)
     return sparse_attention(q_THA, pools, idxs, sink_H, scale_f, exact)
 

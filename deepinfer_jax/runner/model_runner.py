@@ -12,7 +12,6 @@ running padding-only steps (their cache writes are dropped).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -34,6 +33,13 @@ from deepinfer_jax.sampling.sampler import sample
 
 
 def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
+               num_logprobs: int, prompt_lp: bool, kernels: str):
+    with ops.use_backend(kernels):  # ops pick kernels at trace time; ``kernels`` keys the compile cache
+        return _step_body(graphdef, state_treedef, state_leaves, cache, inp, prev_sampled_R, engram_tables,
+                          num_logprobs, prompt_lp)
+
+
+def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables,
                num_logprobs: int, prompt_lp: bool):
     b = inp.batch
     is_ph = inp.prev_row >= 0
@@ -65,12 +71,13 @@ def step_function(graphdef, state_treedef):
     """The jitted step of one model structure. The graphdef and the state's tree structure are
     closed over (hashed once here, not at every call) and the weights travel as a flat list of
     arrays: per-call dispatch cost stays independent of the model's module tree. Runners of
-    equal models share the function and so its compiled buckets."""
+    equal models share the function and so its compiled buckets; the kernel choice is a static
+    argument, so runners that differ in it compile (and run) their own."""
     key = (graphdef, state_treedef)
     fn = _STEP_FNS.get(key)
     if fn is None:
         fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
-                     static_argnames=("num_logprobs", "prompt_lp"), donate_argnames=("cache",))
+                     static_argnames=("num_logprobs", "prompt_lp", "kernels"), donate_argnames=("cache",))
         _STEP_FNS[key] = fn
     return fn
 
@@ -116,8 +123,12 @@ class ModelRunner:
         self.ec = ec
         self.mesh = mesh
         self.cfg = cfg or ModelConfig.from_json(model_dir)
-        if ec.kernels is not None:
-            ops.set_backend(ec.kernels)
+        self.kernels = ec.kernels or ops.default_backend()  # this runner's choice, not the process's
+        # ops that shard_map a kernel read the context mesh at trace time (moe_ep.py); without a
+        # mesh the step runs on one device, said with a one-device mesh so that a multi-GPU host
+        # keeps its kernels (several devices and no mesh would make them fall back)
+        self.trace_mesh = mesh if mesh is not None else jax.sharding.Mesh(
+            np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
         model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
@@ -169,12 +180,12 @@ class ModelRunner:
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=prompt_lp)
         t0 = time.perf_counter()
-        # on a mesh the step is traced with it as the context mesh: ops that shard_map a kernel
-        # (moe_ep.py) read it there; plain GSPMD code is unaffected (the mesh axes are Auto)
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
+        # plain GSPMD code is unaffected (the mesh axes are Auto)
+        with jax.set_mesh(self.trace_mesh):
             self.cache, out, plp, self.prev_sampled = self._step(
                 self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
-                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
+                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels)
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         return StepHandle(sched, out, plp, offsets, t0, T)
 

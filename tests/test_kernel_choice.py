@@ -1,0 +1,106 @@
+"""Which implementation an op runs (``kernels_pallas/ops.py``): the choice belongs to the engine
+instance that traces the step, and a kernel that cannot take a call says why."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels_pallas import ops, sinkhorn_ref
+
+SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+
+
+@pytest.fixture
+def counting_cpu_kernel(monkeypatch):
+    """A CPU "kernel" for ``sinkhorn_iterate`` that counts how often a trace picks it (and
+    computes the reference, so outputs stay the same)."""
+    traced = []
+
+    def kernel(comb, n, eps):
+        traced.append(comb.shape)
+        return sinkhorn_ref.sinkhorn_iterate_ref(comb, n, eps)
+
+    monkeypatch.setitem(ops._KERNELS, ("sinkhorn_iterate", "cpu"), kernel)
+    return traced
+
+
+def test_kernel_choice_belongs_to_the_instance(counting_cpu_kernel):
+    from deepinfer_jax import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    ref_llm = LLM(kernels="reference", progress=False, **SMALL)
+    assert counting_cpu_kernel == [], "a kernels='reference' engine traced a kernel"
+    assert ops.default_backend() == "auto", "LLM(kernels=...) changed the process default"
+    auto_llm = LLM(progress=False, **SMALL)
+    n_auto = len(counting_cpu_kernel)
+    assert n_auto > 0, "LLM() after LLM(kernels='reference') still runs the references"
+    # each keeps its own choice: the reference engine neither re-traces nor picks the kernel
+    a = ref_llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    b = auto_llm.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(counting_cpu_kernel) == n_auto
+    assert a == b  # the counting kernel computes the reference
+
+
+def test_use_backend_is_scoped():
+    assert ops.current_backend() == ops.default_backend()
+    with ops.use_backend("reference"):
+        assert ops.current_backend() == "reference"
+        with ops.use_backend("auto"):
+            assert ops.current_backend() == "auto"
+        assert ops.current_backend() == "reference"
+    assert ops.current_backend() == ops.default_backend()
+    with pytest.raises(ValueError, match="'fast'"):
+        with ops.use_backend("fast"):
+            pass
+
+
+def test_fallback_is_logged_once_and_counted(caplog, monkeypatch):
+    monkeypatch.setattr(ops, "_FALLBACKS", type(ops._FALLBACKS)())
+    with caplog.at_level(logging.WARNING, logger="deepinfer_jax.kernels"):
+        for _ in range(3):
+            ops.note_fallback("moe_experts", "widths (64, 128) are not tiled")
+        ops.note_fallback("sparse_attention", "head_dim 24 is not a power of two >= 16")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "moe_experts" in msgs[0] and "(64, 128)" in msgs[0]
+    assert ops.fallback_counts() == {"moe_experts: widths (64, 128) are not tiled": 3,
+                                     "sparse_attention: head_dim 24 is not a power of two >= 16": 1}
+
+
+def _moe_args():
+    rng = np.random.default_rng(0)
+    T, X, D, F, E = 4, 2, 128, 128, 4
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, E, (T, X)), jnp.int32)
+    wt = jnp.asarray(rng.uniform(0.1, 1, (T, X)), jnp.float32)
+    w = lambda *s: (jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16), None)
+    return (x, idx, wt, w(E, F, D), w(E, D, F), w(E, F, D), "bf16", 10.0, E)
+
+
+def test_moe_kernel_dispatch_on_a_multi_device_host(monkeypatch):
+    """``LLM(dp=1)`` on a host with several GPUs keeps the MoE kernel: the runner traces with a
+    one-device mesh. Several devices and no mesh at all fall back, and say so."""
+    from deepinfer_jax.kernels_pallas import moe_gmm
+
+    calls = []
+    monkeypatch.setattr(moe_gmm, "is_hopper", lambda: True)
+    monkeypatch.setattr(moe_gmm, "moe_experts", lambda *a: calls.append("kernel") or "kernel")
+    monkeypatch.setattr(moe_gmm.jax, "device_count", lambda *a: 4)
+    monkeypatch.setattr(ops, "_FALLBACKS", type(ops._FALLBACKS)())
+    args = _moe_args()
+    one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
+    with jax.set_mesh(one):
+        assert moe_gmm.moe_experts_op(*args) == "kernel"
+    out = moe_gmm.moe_experts_op(*args)  # no context mesh, 4 devices: the reference
+    assert isinstance(out, jax.Array) and calls == ["kernel"]
+    assert any("no context mesh" in k for k in ops.fallback_counts())
+    monkeypatch.setattr(moe_gmm, "is_hopper", lambda: False)
+    with jax.set_mesh(one):
+        moe_gmm.moe_experts_op(*args)
+    assert any("is not an SM90 GPU" in k for k in ops.fallback_counts())
+    assert calls == ["kernel"]
