@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deepinfer_jax.kernels_pallas import tiling
+from deepinfer_jax.kernels_pallas import gmm_common, tiling
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
 from deepinfer_jax.layers import quant
 
@@ -78,7 +78,7 @@ FORMATS = ("bf16", "fp8", "fp4")
 # ----------------------------------------------------------------------------- Hopper tiling
 HOPPER_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on SM90 (228 KB per SM)
 HOPPER_SM_SMEM_BYTES = 228 * 1024  # per SM, shared by its resident CTAs
-HOPPER_NUM_SMS = 132  # H100/H200 SXM
+HOPPER_NUM_SMS = gmm_common.HOPPER_NUM_SMS
 HOPPER_MMA_M = 64  # wgmma: m64 per warpgroup, n in 8..256 (multiple of 8), k = 32 bytes
 
 
@@ -293,15 +293,6 @@ def _dequant_fp4(p: jax.Array, s_ref, bk: int) -> tuple[jax.Array, jax.Array]:
 
 
 # ----------------------------------------------------------------------------- Hopper kernel
-def _num_sms(interpret: bool) -> int:
-    if interpret:
-        return 2
-    try:
-        return int(jax.devices()[0].core_count)
-    except Exception:
-        return HOPPER_NUM_SMS
-
-
 def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Array, jax.Array | None]],
                 route_w: jax.Array | None, *, fmt: str, n_out: int, k_in: int, cfg: GmmTiling,
                 swiglu_limit: float, interpret: bool) -> jax.Array:
@@ -448,7 +439,7 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
             if fused:
                 plgpu.barrier_wait(rw_bar)
                 rw = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-                return _swiglu_epilogue(vals[0], vals[1], rw, swiglu_limit)
+                return gmm_common.swiglu_epilogue(vals[0], vals[1], rw, swiglu_limit)
             return vals[0].astype(jnp.bfloat16)
 
         out = pl.run_scoped(with_scratch, **scoped) if scoped else with_scratch()
@@ -465,7 +456,7 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return
 
-        store_tile(out, o_gmem, mi * bm, ni * bn)
+        gmm_common.store_tile(out, o_gmem, mi * bm, ni * bn)
 
     args = [tile_group, x]
     for w, s in weights:
@@ -479,7 +470,7 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
     call = plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(_num_sms(interpret) * cfg.ctas_per_sm,),
+        grid=(gmm_common.num_sms(interpret) * cfg.ctas_per_sm,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -490,33 +481,8 @@ def _hopper_gmm(tile_group: jax.Array, x: jax.Array, weights: list[tuple[jax.Arr
     live = jnp.repeat(tile_group >= 0, bm)[:, None]
     acc = jnp.where(live, acc, 0.0)  # rows of unused tiles were never written
     if fused:
-        return _swiglu_epilogue(acc[:, :n_out], acc[:, n_out:], route_w, swiglu_limit)
+        return gmm_common.swiglu_epilogue(acc[:, :n_out], acc[:, n_out:], route_w, swiglu_limit)
     return acc.astype(jnp.bfloat16)
-
-
-def store_tile(out, o_gmem, row0, col0) -> None:
-    """A bf16 ``[bm, bn]`` register tile -> ``o_gmem[row0:row0+bm, col0:col0+bn]``, through
-    shared memory and one TMA store (waited for before the scratch is released)."""
-    bm, bn = out.shape
-
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), jnp.bfloat16))
-    def _store(o_smem):
-        o_smem[...] = out
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(row0, bm), pl.ds(col0, bn)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _swiglu_epilogue(gate_acc, up_acc, rw, limit: float):
-    """The reference's rounding: gate/up rounded to bf16 (its grouped matmuls return bf16),
-    clamped SwiGLU and the routing weight in fp32, then bf16."""
-    gate = gate_acc.astype(jnp.bfloat16).astype(jnp.float32)
-    up = up_acc.astype(jnp.bfloat16).astype(jnp.float32)
-    if limit > 0:
-        up = jnp.minimum(jnp.maximum(up, -limit), limit)
-        gate = jnp.minimum(gate, limit)
-    h = gate * jax.nn.sigmoid(gate) * up * rw[:, None]
-    return h.astype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- wrappers

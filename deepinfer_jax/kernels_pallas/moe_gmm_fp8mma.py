@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deepinfer_jax.kernels_pallas import moe_gmm  # moe_gmm imports this module lazily: no cycle
+from deepinfer_jax.kernels_pallas import gmm_common
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
 from deepinfer_jax.layers import quant
 
@@ -161,7 +161,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
             if fused:
                 plgpu.barrier_wait(rw_bar)
                 rw = plgpu.load(rw_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-                return moe_gmm._swiglu_epilogue(accs[0], accs[1], rw, swiglu_limit)
+                return gmm_common.swiglu_epilogue(accs[0], accs[1], rw, swiglu_limit)
             return accs[0].astype(jnp.bfloat16)
 
         if rw_gmem is not None:
@@ -170,7 +170,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
         else:
             out = main()
 
-        moe_gmm.store_tile(out, o_gmem, mi * bm, ni * bn)
+        gmm_common.store_tile(out, o_gmem, mi * bm, ni * bn)
 
     args = [tile_group, xq, xs_T]
     for w, s in weights:
@@ -180,7 +180,7 @@ def gmm_fp8_mma(tile_group: jax.Array, xq: jax.Array, xs_T: jax.Array,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((mp, n_out), jnp.bfloat16),
-        grid=(moe_gmm._num_sms(interpret) * cfg.ctas_per_sm,),
+        grid=(gmm_common.num_sms(interpret) * cfg.ctas_per_sm,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
