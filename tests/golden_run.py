@@ -27,7 +27,7 @@ def model_dir_of(golden: Path, name: str) -> str:
         return str(d)
     tmp = tempfile.mkdtemp(prefix=f"{name}_")
     shutil.copy(d / "config.json", tmp)
-    os.symlink(golden / "tiny_fp8_long" / "model.safetensors", os.path.join(tmp, "model.safetensors"))
+    os.symlink((golden / "tiny_fp8_long" / "model.safetensors").resolve(), os.path.join(tmp, "model.safetensors"))
     return tmp
 
 

@@ -1,6 +1,6 @@
 """Our model vs the official DeepSeek-V4.1 reference on the golden tiny checkpoints.
 
-Tolerances (see ``shared/golden/v41_tiny/README.md``, "Determinism and observed tolerances"):
+Tolerances (see ``tests/golden/v41_tiny/README.md``, "Determinism and observed tolerances"):
 * Everything before the first compressed layer is computed bit-identically: Engram output
   exactly, block outputs to within one bf16 ulp on < 1 % of elements (fp32 summation order in
   the mHC expand / MoE sum: 0 on the CPU today, 0.67 % of block 0 on an H200 with layer 0's
@@ -17,6 +17,14 @@ Tolerances (see ``shared/golden/v41_tiny/README.md``, "Determinism and observed 
   only to ``max <= 1.0``. The CPU shows one such step in ``tiny_bf16`` (step 5), an H200 three
   (steps 1, 4, 5). Every step's greedy token must still equal the reference's, and at least one
   step must be flip-free.
+* Prefill is judged the same way by rows: the rows before the first discrete decision that
+  differs from the reference (candidate blocks, indexer top-k, routed experts; causality keeps
+  those rows exact in every decision) are held to the bounds above, the rows from there on to
+  ``max <= 1.0``; a decision whose inputs are not downstream of an earlier flip may itself flip
+  only at a near-tie (at most one row in 20). XLA's CPU dot changes its fp32 summation order
+  between releases (jax 0.12's 21x512 @ 512x24 mHC mix product differs from 0.11's in the last
+  ulp of 89 % of its elements), so where these flips land moves with the XLA version; the
+  mechanism and so the bounds do not.
 * Greedy decode tokens must all equal the reference (the user-visible output). Prefill argmax
   over all positions must agree on >= 90 % (the README lists prefill top-1/top-2 gaps down to
   3e-5) and on the last position; DSpark drafts on >= 90 % (draft gaps down to 0.006).
@@ -75,27 +83,63 @@ def test_engram_and_first_blocks_bit_level(run):
         np.testing.assert_allclose(taps[f"block{i}_pre_mix"], g[f"prefill_block{i}_pre_mix"][0], atol=1e-3)
 
 
+def prefill_decisions(r) -> list[tuple[str, np.ndarray]]:
+    """The prefill's discrete decisions in execution order, as (name, rows where ours differ from
+    the reference's): per layer the candidate blocks, the indexer top-k, then the routed experts."""
+    g, taps, L, cfg = r["golden"], r["prefill_taps"], len(r["prompt"]), r["cfg"]
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        if f"cand{i}_candidates" in taps and f"prefill_cand{i}_candidates" in g:
+            ref = g[f"prefill_cand{i}_candidates"][0].astype(bool)
+            ours = taps[f"cand{i}_candidates"][:, :ref.shape[1]].astype(bool)
+            out.append((f"candidates {i}", np.where((ours != ref).any(1))[0]))
+        if i in cfg.index_source_layer_ids:
+            ref = g[f"prefill_index{i}_topk_idxs"][0]
+            ref_pos = sorted_positions(np.where(ref >= 0, ref - L, -1), ref.shape[1])
+            ours = sorted_positions(taps[f"index{i}_topk"], ref.shape[1])
+            out.append((f"index {i}", np.where(~(ours == ref_pos).all(1))[0]))
+        ours, ref = np.sort(taps[f"gate{i}_indices"], -1), np.sort(g[f"prefill_gate{i}_indices"], -1)
+        out.append((f"gate {i}", np.where(~(ours == ref).all(1))[0]))
+    return out
+
+
+def first_flip_row(r) -> int:
+    """The first prompt row where any discrete decision differs from the reference (the prompt's
+    length if none). Causality: rows before it see exactly the reference's decisions."""
+    rows = [int(f.min()) for _, f in prefill_decisions(r) if f.size]
+    return min(rows, default=len(r["prompt"]))
+
+
 def test_prefill_logits_and_tokens(run):
+    """Rows before the first decision flip are held to the fp8-step bound; rows at or after it
+    read a different discrete choice (an expert, a selected position) and get the routing-flip
+    bound, as decode steps with a flip do."""
     name, r = run
     g = r["golden"]
-    ref = g["prefill_logits_all"][0]
-    check_logits(r["prefill_logits_all"], ref, LOGIT_MAX[name], "prefill logits")
-    assert (r["prefill_logits_all"].argmax(-1) == ref.argmax(-1)).mean() >= 0.9
-    assert int(r["prefill_logits_all"][-1].argmax()) == int(g["generated_ids"][0, 0])
+    ref, ours = g["prefill_logits_all"][0], r["prefill_logits_all"]
+    f = first_flip_row(r)
+    check_logits(ours, ref, 1.0, "prefill logits")
+    if f:
+        check_logits(ours[:f], ref[:f], LOGIT_MAX[name], f"prefill logits, rows before the first flip ({f})")
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert int(ours[-1].argmax()) == int(g["generated_ids"][0, 0])
 
 
 def test_prefill_selections(run):
-    """Indexer top-k of every index layer and the routed experts match the reference."""
+    """Every top-k decision (candidate blocks, indexer, routed experts) whose inputs are not
+    downstream of an earlier flip matches the reference, up to near-ties. Inputs there differ
+    from the reference by fp32 summation order (XLA's CPU dot vs torch's BLAS; XLA's order also
+    changes between releases), which fp8/fp4 QDQ turns into one-step differences; the README
+    lists boundary gaps (gate >= 4.1e-5, indexer >= 9.2e-5, candidates >= 6.1e-5) below one such
+    step. So a decision may flip where its own gap is that small: rarely, at most one row in 20
+    of the comparable rows. Rows after a flip are judged through the logits."""
     name, r = run
-    g, taps, L = r["golden"], r["prefill_taps"], len(r["prompt"])
-    for i in r["cfg"].index_source_layer_ids:
-        ref = g[f"prefill_index{i}_topk_idxs"][0]
-        ref_pos = sorted_positions(np.where(ref >= 0, ref - L, -1), ref.shape[1])
-        ours = sorted_positions(taps[f"index{i}_topk"], ref.shape[1])
-        assert (ours == ref_pos).all(axis=1).mean() >= 0.95, f"index layer {i}"
-    for i in range(r["cfg"].num_hidden_layers):
-        ours = np.sort(taps[f"gate{i}_indices"], -1)
-        assert (ours == np.sort(g[f"prefill_gate{i}_indices"], -1)).all(axis=1).mean() >= 0.9, f"gate {i}"
+    upstream = len(r["prompt"])  # rows at or after this saw an earlier decision flip
+    for what, flipped in prefill_decisions(r):
+        fresh = flipped[flipped < upstream]
+        assert fresh.size <= max(1, upstream // 20), f"{what}: rows {fresh.tolist()} of {upstream} comparable rows"
+        if flipped.size:
+            upstream = min(upstream, int(flipped.min()))
 
 
 def routing_flipped(r, step: int) -> bool:
