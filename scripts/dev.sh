@@ -18,22 +18,32 @@ find_python() {
   echo "error: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2; return 1
 }
 
+# DEEPINFER_STACK=pinned (default): .venv with the tested pins of constraints/cpu-torch.txt.
+# DEEPINFER_STACK=latest: .venv-latest with the newest releases pyproject.toml's ranges allow
+# (an unpinned resolve; CI runs the suite on both).
+STACK=${DEEPINFER_STACK:-pinned}
+case "$STACK" in
+  pinned) VENV=.venv; PINS=(-c constraints/cpu-torch.txt) ;;
+  latest) VENV=.venv-latest; PINS=() ;;
+  *) echo "error: DEEPINFER_STACK=$STACK: expected 'pinned' or 'latest'" >&2; exit 2 ;;
+esac
+
 ensure_venv() {
-  local stamp=.venv/.deepinfer-installed
-  if [ ! -x .venv/bin/python ]; then
-    "$(find_python)" -m venv .venv
+  local stamp=$VENV/.deepinfer-installed
+  if [ ! -x $VENV/bin/python ]; then
+    "$(find_python)" -m venv $VENV
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/cpu-torch.txt -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -e ".[dev]" -c constraints/cpu-torch.txt
+    $VENV/bin/python -m pip install -q --upgrade pip >/dev/null
+    $VENV/bin/python -m pip install -q -e ".[dev]" "${PINS[@]}"
     touch "$stamp"
   fi
 }
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-  demo) ensure_venv; exec .venv/bin/deepinfer-jax generate "$@" ;;
-  test) ensure_venv; exec env XLA_FLAGS="${XLA_FLAGS:-}" .venv/bin/python -m pytest -q "$@" ;;
+  demo) ensure_venv; exec $VENV/bin/deepinfer-jax generate "$@" ;;
+  test) ensure_venv; exec env XLA_FLAGS="${XLA_FLAGS:-}" $VENV/bin/python -m pytest -q "$@" ;;
   setup) ensure_venv ;;
   *) echo "usage: scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
 esac

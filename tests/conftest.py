@@ -13,6 +13,12 @@ import deepinfer_jax  # noqa: F401  (first: it sets the XLA numerics flags befor
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_report_header(config):
+    from importlib.metadata import version
+
+    return "stack: " + ", ".join(f"{p} {version(p)}" for p in ("jax", "jaxlib", "flax", "orbax-checkpoint", "numpy"))
+
+
 def golden_root() -> Path:
     """The v41_tiny golden data: ``$DEEPINFER_GOLDEN`` or the vendored ``tests/golden/v41_tiny``."""
     env = os.environ.get("DEEPINFER_GOLDEN")
