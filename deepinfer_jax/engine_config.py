@@ -63,7 +63,7 @@ class EngineConfig:
             self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
         if self.kernels not in (None, "auto", "reference"):
             self._bad("kernels", "expected 'auto' or 'reference'")
-        from deepinfer_jax.models.cache import INDEX_KEY_DTYPES
+        from deepinfer_jax.base.quant import INDEX_KEY_DTYPES
 
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             self._bad("index_key_dtype", f"expected one of {INDEX_KEY_DTYPES}")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 
 def _fp4_keys(rng, shape, block_binades: int, row_binades: int):

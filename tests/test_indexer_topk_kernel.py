@@ -123,7 +123,7 @@ def test_scores_pool_coded_keys(interpret):
     for bit (power-of-two scaling commutes with every rounding), and the reference's on the codes
     within the usual one-ulp slack. Keys are fp4-QDQ'd like the model's, with 32-blocks spread over
     12 binades and whole rows from 2^-20 to 2^20; both the shared-row and straddling paths run."""
-    from deepinfer_jax.layers import quant
+    from deepinfer_jax.base import quant
 
     rng = np.random.default_rng(11)
     T, N, I, J, R_, P = 10, 300, 16, 64, 3, 1024

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.kernels_pallas import moe_gmm, moe_gmm_ref, ops, tiling
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 from deepinfer_jax.models import quant_formats as qf
 
 MODES = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 
 def indexer_scores_ref(q_TIJ: jax.Array, k_TNJ: jax.Array, w_TI: jax.Array, n_visible_T: jax.Array) -> jax.Array:

@@ -61,7 +61,7 @@ from jax import lax
 
 from deepinfer_jax.kernels_pallas import gmm_common, tiling
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 try:  # Mosaic GPU ships with jax; keep the module importable anywhere (the ops hook imports us)
     from jax.experimental import pallas as pl

@@ -45,7 +45,7 @@ from jax import lax
 
 from deepinfer_jax.kernels_pallas import gmm_common
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 try:
     from jax.experimental import pallas as pl

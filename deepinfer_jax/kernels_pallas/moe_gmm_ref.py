@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 
 def dequant_experts(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Array:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 from deepinfer_jax.layers.linear import Linear
 
 

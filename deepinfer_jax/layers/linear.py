@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

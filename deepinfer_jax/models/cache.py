@@ -24,10 +24,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 
 
-INDEX_KEY_DTYPES = ("bf16", "fp8")
+INDEX_KEY_DTYPES = quant.INDEX_KEY_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

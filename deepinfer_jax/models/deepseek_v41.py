@@ -27,7 +27,7 @@ from deepinfer_jax.layers.linear import Linear, dense_fmt, expert_fmt
 from deepinfer_jax.layers.moe import MoE
 from deepinfer_jax.layers.norms import RMSNorm
 from deepinfer_jax.models.cache import ModelCache
-from deepinfer_jax.models.forward_batch import ForwardBatch
+from deepinfer_jax.base.forward_batch import ForwardBatch
 
 
 class Block(nnx.Module):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.models.engram_hash import EngramHasher
-from deepinfer_jax.models.forward_batch import RowSpec, build_batch
+from deepinfer_jax.base.forward_batch import RowSpec, build_batch
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "with_taps"), donate_argnames=("cache",))

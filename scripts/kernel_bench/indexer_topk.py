@@ -108,7 +108,7 @@ def bench(quick: bool = False) -> list[dict]:
         entry = jnp.arange(N, dtype=jnp.int32)[None]
         trow = jnp.zeros((T,), jnp.int32)
 
-        from deepinfer_jax.layers import quant
+        from deepinfer_jax.base import quant
 
         # the model's cache format (the bench's keys are not fp4-QDQ'd, so the codes round them:
         # the coded rows are checked against the reference on the same codes)

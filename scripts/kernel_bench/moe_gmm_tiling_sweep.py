@@ -130,7 +130,7 @@ def sweep_fp8_mma(ms, ctas, copy_bps: float, iters: int, repeats: int) -> list[d
     import jax.numpy as jnp
 
     from deepinfer_jax.kernels_pallas import moe_gmm, moe_gmm_fp8mma, tiling
-    from deepinfer_jax.layers import quant
+    from deepinfer_jax.base import quant
 
     key = jax.random.PRNGKey(1)
     E, rows = E_LOCAL, []

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepinfer_jax.kernels_pallas import ops
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 from deepinfer_jax.layers.attention.compressor import Compressor
 from deepinfer_jax.layers.attention.indexer import Indexer
 from deepinfer_jax.layers.attention.kv_index import DROP, StepContext

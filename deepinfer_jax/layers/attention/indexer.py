@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from deepinfer_jax.kernels_pallas import ops
-from deepinfer_jax.layers import quant
+from deepinfer_jax.base import quant
 from deepinfer_jax.layers.attention.kv_index import DROP, StepContext
 from deepinfer_jax.layers.linear import Linear
 from deepinfer_jax.layers.norms import RMSNorm

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.models.forward_batch import ForwardBatch
+from deepinfer_jax.base.forward_batch import ForwardBatch
 
 DROP = jnp.iinfo(jnp.int32).max  # scatter index that `mode="drop"` discards
 

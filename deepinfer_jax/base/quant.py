@@ -97,6 +97,7 @@ def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> ja
 
 # ----------------------------------------------------------------------------- index-key storage
 INDEX_KEY_DTYPE = jnp.float8_e5m2
+INDEX_KEY_DTYPES = ("bf16", "fp8")  # index-key cache formats: bf16 keys, or codes from pack_index_keys
 _E5M2_TOP = 14  # a row's amax lands in [2^14, 2^15): under e5m2's max 57344 = 1.75 * 2^15
 
 
