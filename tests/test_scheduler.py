@@ -146,6 +146,7 @@ class FakeRunner:
         self.next_fetch = 0
         self.log: list[list[RowLog]] = []
         self.scheduler: Scheduler | None = None
+        self.history_tokens = 3  # as v41-tiny's Engram (max_ngram_size 4): rows carry that look-back
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -179,11 +180,12 @@ class FakeRunner:
             for b in r.blocks:
                 holders.setdefault(b, []).append(r.request_id)
         assert all(len(h) == sch.pool.ref_count(b) for b, h in holders.items())
-        fresh_rows = {r.request.request_id: (i, r.cache_start) for i, r in enumerate(rows) if r.start == r.floor}
+        fresh_rows = {r.request_id: (i, r.cache_start) for i, r in enumerate(rows) if r.start == r.floor}
         off = 0
         for i, row in enumerate(rows):
-            req = row.request
-            rid = req.request_id
+            rid = row.request_id
+            req = sch.requests[rid]  # the oracle's view; the row itself is plain data
+            assert row.epoch == req.epoch and row.seed == req.seed and row.params is req.params
             assert rid not in seen_rids, f"{rid} has two rows in step {sched.step_id}"
             assert row.slot not in seen_slots, f"slot {row.slot} used twice in one step"
             seen_rids.add(rid)
@@ -236,8 +238,14 @@ class FakeRunner:
                 assert known is None or known == tok, f"{rid}: cache has {tok} at {p}, host {known}"
                 if p >= row.floor:
                     assert slot.toks[p - row.floor] == tok
+            # --- the Engram look-back window the row carries
+            known = n - (1 if row.prev_row >= 0 else 0)
+            w0 = max(start - self.history_tokens, 0)
+            assert row.history == req.known_tokens(w0, start + known), f"{rid}: wrong history window"
             # --- the row's positions
             n_prompt = len(req.prompt_token_ids)
+            if row.prompt_logprobs:
+                assert row.prompt_targets == req.prompt_token_ids[start + 1:min(end + 1, n_prompt)]
             for j, tok in enumerate(toks):
                 p = start + j
                 fp = _fp(fp, tok)
@@ -257,7 +265,7 @@ class FakeRunner:
                     self.store[b][p % bt] = (tok, fp)
                 slot.toks.append(tok)
                 if plp and row.prompt_logprobs and p + 1 < n_prompt:
-                    tgt = req.prompt_token_ids[p + 1]
+                    tgt = row.prompt_targets[j]
                     tgt_lp[off + j] = -(((fp ^ tgt) % 997) + 1) / 100.0
                     ptop_ids[off + j] = [(fp + k) % V for k in range(N)]
                     ptop_lp[off + j] = [-0.1 * (k + 1) - (fp % 7) / 10 for k in range(N)]
@@ -268,7 +276,7 @@ class FakeRunner:
                 assert out_index < req.params.max_tokens, f"{rid}: sample {out_index} >= max_tokens"
                 assert end < sch.max_model_len, f"{rid}: sample beyond max_model_len"
                 assert end - 1 >= row.dec_floor, f"{rid}: sampled position below the decoder floor"
-                token = _draw(req.seed, fp)
+                token = _draw(row.seed, fp)
                 while token in row.banned:
                     token = (token + 1) % V
                 sampled[i] = token
@@ -282,7 +290,7 @@ class FakeRunner:
                 # the step's last row and takes all the budget left
                 assert i == len(rows) - 1 and T == ec.max_num_batched_tokens, \
                     f"{rid}: chunk of {n} cut short with budget left"
-            logs.append(RowLog(rid, row.epoch, req.seed, start, n, row.floor, row.dec_floor, row.cache_start,
+            logs.append(RowLog(rid, row.epoch, row.seed, start, n, row.floor, row.dec_floor, row.cache_start,
                                fresh, row.is_prefill, row.sample, out_index, token, row.prev_row >= 0,
                                list(row.banned), n_prompt, row.prompt_logprobs))
             off += n
@@ -451,7 +459,7 @@ def test_budget_row_cap_decode_first_and_fcfs():
     for before, out, after in rec.log:
         assert out.num_tokens <= ec.max_num_batched_tokens
         assert len(out.rows) <= ec.max_num_seqs
-        rids = [r.request.request_id for r in out.rows]
+        rids = [r.request_id for r in out.rows]
         pre = [r for r in rids if r in before["running"]]
         new = [r for r in rids if r not in before["running"]]
         # rows of running requests first, oldest first; then admissions FCFS from the queue head
@@ -504,8 +512,12 @@ def test_preemption_recomputes_exactly(async_sched, caching):
         assert all(r in after["running"] for r in out.preempted if r not in front)
         n_checked += 1
     assert n_checked > 0
-    # a preempted request restarts from its floor with prompt + outputs so far as its "prompt"
-    assert any(r.fresh and r.epoch > 0 and r.start + r.n > r.prompt_len for r in runner.rows())
+    # a preempted request restarts from its floor, in a new epoch, with prompt + outputs so far
+    # as its "prompt"
+    first_epoch = {}
+    for r in runner.rows():
+        first_epoch.setdefault(r.rid, r.epoch)
+    assert any(r.fresh and r.epoch != first_epoch[r.rid] and r.start + r.n > r.prompt_len for r in runner.rows())
 
 
 def test_preemption_keeps_prompt_logprobs():
