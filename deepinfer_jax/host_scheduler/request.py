@@ -61,7 +61,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache (first admission)
+    num_cached_tokens: int = 0        # prompt tokens the prefix cache saved: the replay start (first admission)
     num_preemptions: int = 0
 
     @property

@@ -12,10 +12,15 @@ One call to ``schedule()`` plans one step under ``max_num_batched_tokens`` and
    the last token); on a hit it starts at the *replay start* — the cached length minus
    ``prefix_replay_tokens``, rounded down to a block — with its window floor there (the slot has
    no state below it) and compressed-cache writes from the cached length on (the hit blocks are
-   shared). ``prefix_replay_tokens >= (n_layers-1)*(W-1)+W`` makes the rebuilt window state exact
-   (the default, ``n_layers*(W-1)+W``, is above it): layer 0's keys come from the embeddings,
-   and layer l's outputs are exact ``(l+1)*(W-1)`` positions after the replay start (the
-   compressed KV they also read is the cached, exact one).
+   shared). The replay rebuilds the sliding-window state, which the prefix cache does not hold.
+   It is exact when ``prefix_replay_tokens >= (n_layers-1)*(W-1)+W`` (``prefix_replay="exact"``):
+   layer 0's keys come from the embeddings, exact from the replay start on, and layer l's
+   outputs are exact ``(l+1)*(W-1)`` positions after it, so the last layer's outputs (and every
+   window entry they read) are exact from ``n_layers*(W-1)`` replayed positions on; the bound
+   has one to spare (the compressed KV the layers also read is the cached, exact one). A
+   shorter tail (``prefix_replay="bounded"``, default ``yoco_keep_tokens``) is DeepSeek's
+   approximation: the oldest window entries of the upper layers see truncated context.
+   The request's ``num_cached_tokens`` is the replay start: the tokens not recomputed.
 3. When a running request needs a block and none is free, the newest running request is
    preempted (blocks and slot freed, progress reset, put at the front of the queue; its
    outputs so far are kept and recomputed with the prompt).
@@ -100,7 +105,7 @@ class SchedulerOutput:
     step_id: int
     rows: list[ScheduledRow]
     preempted: list[str]
-    cache_hit_tokens: int      # prompt tokens served by the prefix cache for rows admitted now
+    cache_hit_tokens: int      # tokens of rows admitted now that the prefix cache saves (not recomputed)
     queue_wait: list[float]    # seconds in the queue of each request admitted now
 
     @property
@@ -203,15 +208,15 @@ class Scheduler:
             admitted = self._admit(req, budget)
             if admitted is None:
                 break
-            n, hits = admitted
+            n, saved = admitted
             self.waiting.popleft()
             self.running.append(req)
             now = time.monotonic()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                req.num_cached_tokens = hits
+                req.num_cached_tokens = saved
                 waits.append(now - req.arrival_time)
-            hit_tokens += hits
+            hit_tokens += saved
             rows.append(self._row(req, n, step, len(rows)))
             budget -= n
         if rows:
@@ -243,8 +248,8 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
-        """Slot, prefix lookup and blocks for a waiting request. Returns (tokens this step, prefix
-        hit tokens) or None (nothing changed) when resources are short."""
+        """Slot, prefix lookup and blocks for a waiting request. Returns (tokens this step, tokens
+        the prefix cache saves: the replay start) or None (nothing changed) when resources are short."""
         bt = self.ec.block_tokens
         self._update_hashes(req)
         n_known = req.num_tokens
@@ -269,7 +274,7 @@ class Scheduler:
         req.num_computed = start
         req.floor, req.cache_start = start, cached
         req.status = RequestStatus.RUNNING
-        return n, cached
+        return n, start
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         start = req.num_computed
