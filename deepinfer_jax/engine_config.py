@@ -11,6 +11,13 @@ import dataclasses
 import math
 
 YOCO_MODES = ("off", "mask", "compact")
+PREFIX_REPLAY_MODES = ("bounded", "exact")
+
+
+def exact_replay_tokens(cfg) -> int:
+    """Replayed tokens that rebuild the sliding-window state exactly: (n_layers-1)*(W-1)+W."""
+    W = cfg.sliding_window
+    return (cfg.num_hidden_layers - 1) * (W - 1) + W
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +31,11 @@ class EngineConfig:
     num_blocks: int | None = None          # default: max_num_seqs full-length sequences
     enable_prefix_caching: bool = True
     index_key_dtype: str = "bf16"          # index-key cache: "bf16" or "fp8" (same results, 52% of the bytes)
-    # tail of a cached prefix replayed to rebuild sliding-window state after a hit; default
-    # (None): n_layers*(W-1)+W, enough for the window state to be exact (host_scheduler/scheduler.py)
+    # a prefix-cache hit rebuilds the sliding-window state by replaying the tail of the cached
+    # prefix (host_scheduler/scheduler.py): "bounded" replays prefix_replay_tokens (default
+    # yoco_keep_tokens), DeepSeek's approximation; "exact" replays (n_layers-1)*(W-1)+W, the
+    # window chain's receptive field (5081 for V4.1-Flash: more than a 4096 max_model_len holds)
+    prefix_replay: str = "bounded"
     prefix_replay_tokens: int | None = None
     # --- YOCO prefill truncation (FEATURES §5) ---
     yoco_truncation: str = "compact"
@@ -86,11 +96,7 @@ class EngineConfig:
         if num_blocks < blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks={num_blocks}: fewer than one max_model_len sequence "
                              f"needs ({blocks_per_seq} blocks of {self.block_tokens} tokens)")
-        replay = self.prefix_replay_tokens
-        if replay is None:
-            replay = cfg.num_hidden_layers * (W - 1) + W
-        if replay < 0:
-            self._bad("prefix_replay_tokens", "must be >= 0")
+        replay = self._replay_tokens(cfg, max_len)
         buckets = self.token_buckets
         if buckets is None and platform == "cpu":
             buckets = (self.max_num_batched_tokens,)
@@ -117,6 +123,33 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec)
+
+    def _replay_tokens(self, cfg, max_len: int) -> int:
+        """The resolved replay tail; a setting under which no prefix hit can save work is an error."""
+        if self.prefix_replay not in PREFIX_REPLAY_MODES:
+            self._bad("prefix_replay", f"expected one of {PREFIX_REPLAY_MODES}")
+        replay, exact = self.prefix_replay_tokens, exact_replay_tokens(cfg)
+        if replay is not None and (not isinstance(replay, int) or replay < 0):
+            self._bad("prefix_replay_tokens", "must be an integer >= 0 or None")
+        if self.prefix_replay == "exact":
+            if replay is not None and replay < exact:
+                self._bad("prefix_replay_tokens", f"below the exact replay (num_hidden_layers-1)*(sliding_window-1)"
+                                                  f"+sliding_window = {exact} of prefix_replay='exact'")
+            replay = exact if replay is None else replay
+        elif replay is None:
+            replay = self.yoco_keep_tokens
+        # the longest hit: full blocks of max_len-1 known tokens less the last one (never a hit);
+        # the replay starts at (hit - replay) rounded down to a block
+        bt = self.block_tokens
+        longest = (max_len - 2) // bt * bt
+        if self.enable_prefix_caching and (longest - replay) // bt < 1:
+            raise ValueError(
+                f"EngineConfig.prefix_replay={self.prefix_replay!r} with prefix_replay_tokens={replay}"
+                f"{' (the exact bound)' if self.prefix_replay == 'exact' else ''}: every "
+                f"prefix hit would replay from position 0 (longest hit {longest} tokens at max_model_len="
+                f"{max_len}, block_tokens={bt}), so prefix caching saves no work; use prefix_replay='bounded' "
+                "with a shorter prefix_replay_tokens, or enable_prefix_caching=False")
+        return replay
 
     @property
     def blocks_per_seq(self) -> int:

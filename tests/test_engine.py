@@ -89,25 +89,38 @@ def test_preemption_keeps_outputs(model_dir, prompts16, batched16):
     assert tokens(outs) == tokens(batched16)
 
 
-def test_prefix_cache_hits_and_exact_replay(model_dir, llm):
+def test_prefix_replay_exact_equals_no_cache_and_bounded_saves_work(model_dir):
+    """``prefix_replay="exact"`` rebuilds the window state exactly: tokens and logprobs equal the
+    no-cache run. ``"bounded"`` (default tail yoco_keep_tokens = 40 here) computes fewer tokens, and
+    ``num_cached_tokens`` is the cached length minus the replayed tokens."""
     rng = np.random.default_rng(5)
-    shared = rng.integers(3, 250, size=150).tolist()
+    shared = rng.integers(3, 250, size=250).tolist()
     prompts = [shared + rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 40, size=6)]
-    no_cache = LLM(model_dir, enable_prefix_caching=False, **BASE)
-    ref = tokens(no_cache.generate(prompts, GREEDY, use_tqdm=False))
-    # first request alone fills the cache, then the rest hit it (replay of the whole prefix)
-    exact = LLM(model_dir, prefix_replay_tokens=320, **BASE)
-    first = exact.generate(prompts[:1], GREEDY, use_tqdm=False)
-    rest = exact.generate(prompts[1:], GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 128 for o in rest)
-    assert exact.engine.scheduler.pool.hit_rate > 0
-    assert tokens(first + rest) == ref
-    # the default replay length (n_layers*(W-1)+W = 50 for the tiny model) rebuilds the window
-    # state exactly too: replay starts at block 64, not 0
-    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    rest_default = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 128 for o in rest_default)
-    assert tokens(rest_default) == ref[1:]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    cached, bt = 192, 64  # the 3 full blocks of the shared prefix (64-token blocks)
+
+    def run(**kw):
+        eng = LLM(model_dir, **kw, **BASE)
+        first = eng.generate(prompts[:1], params, use_tqdm=False)  # fills the cache
+        rest = eng.generate(prompts[1:], params, use_tqdm=False)  # hits it
+        return first + rest, eng.stats.summary()  # stats of the last generate call
+
+    def logprobs(outs):
+        return [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+
+    ref, s_off = run(enable_prefix_caching=False)
+    exact, s_exact = run(prefix_replay="exact")
+    bounded, s_bounded = run()
+    assert tokens(exact) == tokens(ref) and logprobs(exact) == logprobs(ref)
+    decode = len(prompts[1:]) * (params.max_tokens - 1)
+    assert s_off["scheduled_tokens"] == sum(map(len, prompts[1:])) + decode and s_off["cache_hit_tokens"] == 0
+    for outs, s, tail in ((exact, s_exact, 5 * 7 + 8), (bounded, s_bounded, 40)):
+        start = (cached - tail) // bt * bt  # the replay start: 128 for both at 64-token blocks
+        assert [o.num_cached_tokens for o in outs] == [0] + [start] * 5  # cached - replayed
+        assert [o.metrics.num_cached_tokens for o in outs] == [0] + [start] * 5
+        assert s["cache_hit_tokens"] == 5 * start
+        assert s["scheduled_tokens"] == s_off["scheduled_tokens"] - 5 * start
+        assert s["prefill_tokens"] < s_off["prefill_tokens"]
 
 
 def test_short_replay_is_an_approximation(model_dir):

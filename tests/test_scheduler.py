@@ -146,6 +146,7 @@ class FakeRunner:
         self.next_fetch = 0
         self.log: list[list[RowLog]] = []
         self.scheduler: Scheduler | None = None
+        self.history_tokens = 3  # as v41-tiny's Engram (max_ngram_size 4): rows carry that look-back
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -179,11 +180,12 @@ class FakeRunner:
             for b in r.blocks:
                 holders.setdefault(b, []).append(r.request_id)
         assert all(len(h) == sch.pool.ref_count(b) for b, h in holders.items())
-        fresh_rows = {r.request.request_id: (i, r.cache_start) for i, r in enumerate(rows) if r.start == r.floor}
+        fresh_rows = {r.request_id: (i, r.cache_start) for i, r in enumerate(rows) if r.start == r.floor}
         off = 0
         for i, row in enumerate(rows):
-            req = row.request
-            rid = req.request_id
+            rid = row.request_id
+            req = sch.requests[rid]  # the oracle's view; the row itself is plain data
+            assert row.epoch == req.epoch and row.seed == req.seed and row.params is req.params
             assert rid not in seen_rids, f"{rid} has two rows in step {sched.step_id}"
             assert row.slot not in seen_slots, f"slot {row.slot} used twice in one step"
             seen_rids.add(rid)
@@ -236,8 +238,14 @@ class FakeRunner:
                 assert known is None or known == tok, f"{rid}: cache has {tok} at {p}, host {known}"
                 if p >= row.floor:
                     assert slot.toks[p - row.floor] == tok
+            # --- the Engram look-back window the row carries
+            known = n - (1 if row.prev_row >= 0 else 0)
+            w0 = max(start - self.history_tokens, 0)
+            assert row.history == req.known_tokens(w0, start + known), f"{rid}: wrong history window"
             # --- the row's positions
             n_prompt = len(req.prompt_token_ids)
+            if row.prompt_logprobs:
+                assert row.prompt_targets == req.prompt_token_ids[start + 1:min(end + 1, n_prompt)]
             for j, tok in enumerate(toks):
                 p = start + j
                 fp = _fp(fp, tok)
@@ -257,7 +265,7 @@ class FakeRunner:
                     self.store[b][p % bt] = (tok, fp)
                 slot.toks.append(tok)
                 if plp and row.prompt_logprobs and p + 1 < n_prompt:
-                    tgt = req.prompt_token_ids[p + 1]
+                    tgt = row.prompt_targets[j]
                     tgt_lp[off + j] = -(((fp ^ tgt) % 997) + 1) / 100.0
                     ptop_ids[off + j] = [(fp + k) % V for k in range(N)]
                     ptop_lp[off + j] = [-0.1 * (k + 1) - (fp % 7) / 10 for k in range(N)]
@@ -268,7 +276,7 @@ class FakeRunner:
                 assert out_index < req.params.max_tokens, f"{rid}: sample {out_index} >= max_tokens"
                 assert end < sch.max_model_len, f"{rid}: sample beyond max_model_len"
                 assert end - 1 >= row.dec_floor, f"{rid}: sampled position below the decoder floor"
-                token = _draw(req.seed, fp)
+                token = _draw(row.seed, fp)
                 while token in row.banned:
                     token = (token + 1) % V
                 sampled[i] = token
@@ -282,7 +290,7 @@ class FakeRunner:
                 # the step's last row and takes all the budget left
                 assert i == len(rows) - 1 and T == ec.max_num_batched_tokens, \
                     f"{rid}: chunk of {n} cut short with budget left"
-            logs.append(RowLog(rid, row.epoch, req.seed, start, n, row.floor, row.dec_floor, row.cache_start,
+            logs.append(RowLog(rid, row.epoch, row.seed, start, n, row.floor, row.dec_floor, row.cache_start,
                                fresh, row.is_prefill, row.sample, out_index, token, row.prev_row >= 0,
                                list(row.banned), n_prompt, row.prompt_logprobs))
             off += n
@@ -451,7 +459,7 @@ def test_budget_row_cap_decode_first_and_fcfs():
     for before, out, after in rec.log:
         assert out.num_tokens <= ec.max_num_batched_tokens
         assert len(out.rows) <= ec.max_num_seqs
-        rids = [r.request.request_id for r in out.rows]
+        rids = [r.request_id for r in out.rows]
         pre = [r for r in rids if r in before["running"]]
         new = [r for r in rids if r not in before["running"]]
         # rows of running requests first, oldest first; then admissions FCFS from the queue head
@@ -504,8 +512,12 @@ def test_preemption_recomputes_exactly(async_sched, caching):
         assert all(r in after["running"] for r in out.preempted if r not in front)
         n_checked += 1
     assert n_checked > 0
-    # a preempted request restarts from its floor with prompt + outputs so far as its "prompt"
-    assert any(r.fresh and r.epoch > 0 and r.start + r.n > r.prompt_len for r in runner.rows())
+    # a preempted request restarts from its floor, in a new epoch, with prompt + outputs so far
+    # as its "prompt"
+    first_epoch = {}
+    for r in runner.rows():
+        first_epoch.setdefault(r.rid, r.epoch)
+    assert any(r.fresh and r.epoch != first_epoch[r.rid] and r.start + r.n > r.prompt_len for r in runner.rows())
 
 
 def test_preemption_keeps_prompt_logprobs():
@@ -537,13 +549,16 @@ def prefix_workload(seed=4, n=8, prefix_len=100):
     return reqs
 
 
-@pytest.mark.parametrize("replay", [None, 0, 20])
-def test_prefix_caching_hits_and_same_outputs(replay):
+@pytest.mark.parametrize("mode,replay", [("exact", None), ("bounded", None), ("bounded", 0), ("bounded", 20)])
+def test_prefix_caching_hits_and_same_outputs(mode, replay):
     reqs = prefix_workload()
     # second wave: the same prompts again after the first wave finished (hits on freed blocks)
     reqs2 = [(rid + "x", prompt, p) for rid, prompt, p in reqs]
-    kw = dict(max_num_seqs=4, prefix_replay_tokens=replay)
+    # bounded's default tail is yoco_keep_tokens
+    kw = dict(max_num_seqs=4, prefix_replay=mode, prefix_replay_tokens=replay, yoco_keep_tokens=24)
     ec_on = make_ec(**kw)
+    R = ec_on.prefix_replay_tokens
+    assert R == {"exact": 5 * 7 + 8, "bounded": 24 if replay is None else replay}[mode]
 
     def two_waves(ec):
         eng, runner, _ = make_engine(ec)
@@ -553,10 +568,10 @@ def test_prefix_caching_hits_and_same_outputs(replay):
         for r in reqs2:
             eng.add_request(*r)
         outs.update(drive(eng))
-        return outs, eng, runner
+        return outs, eng, runner, eng.stats.summary()
 
-    outs, eng, runner = two_waves(ec_on)
-    ref, eng_off, _ = two_waves(make_ec(enable_prefix_caching=False, **kw))
+    outs, eng, runner, stats_on = two_waves(ec_on)
+    ref, eng_off, _, stats_off = two_waves(make_ec(enable_prefix_caching=False, **kw))
     assert tokens_of(outs) == tokens_of(ref)
     # third turn (multi-turn chat): prompt = earlier prompt + its answer + more. Every full block
     # the earlier request computed with known tokens was cached, so the hit is exact.
@@ -574,13 +589,13 @@ def test_prefix_caching_hits_and_same_outputs(replay):
     more = drive(eng)
     for (rid, prompt, _), (rid2, prompt2, _) in zip(reqs[:4], follow):
         n_prev = len(prompt) + len(outs[rid].outputs[0].token_ids)
-        want = min(computed[rid], n_prev) // BT * BT
+        hit = min(computed[rid], n_prev) // BT * BT
+        want = max(0, hit - R) // BT * BT  # cached minus replayed: the tokens not recomputed
         assert more[rid2].num_cached_tokens == want, (rid, more[rid2].num_cached_tokens, want)
     assert eng.scheduler.pool.hit_rate > 0 and eng_off.scheduler.pool.hit_rate == 0
     assert any(o.num_cached_tokens > 0 for rid, o in outs.items() if not rid.endswith("x"))
     assert all(o.num_cached_tokens > 0 for rid, o in outs.items() if rid.endswith("x"))
     assert all(o.num_cached_tokens == 0 for o in ref.values())
-    R = ec_on.prefix_replay_tokens
     first_admission = {}
     hits = 0
     for r in runner.rows():
@@ -592,9 +607,20 @@ def test_prefix_caching_hits_and_same_outputs(replay):
                 if R == 0:
                     assert r.floor == r.cache_start
     assert hits > 0
+    assert all(first_admission[rid].cache_start > 0 for rid in outs if rid.endswith("x"))
+    saved = 0
     for rid, o in outs.items():
-        assert o.num_cached_tokens == first_admission[rid].cache_start
+        # tokens served and not replayed (0 when the replay starts at 0)
+        assert o.num_cached_tokens == first_admission[rid].start
         assert o.num_cached_tokens % BT == 0 and o.num_cached_tokens <= len(o.prompt_token_ids) - 1
+        saved += o.num_cached_tokens
+    # the device computed exactly the prompt positions the cache did not save (no preemption here)
+    n_prompt = sum(len(p) for _, p, _ in reqs + reqs2)
+    prompt_positions = sum(max(0, min(r.start + r.n, r.prompt_len) - r.start) for r in runner.rows()
+                           if not r.rid.endswith("t"))
+    assert stats_on["preemptions"] == 0 and stats_on["cache_hit_tokens"] == saved
+    assert prompt_positions == n_prompt - saved and stats_off["cache_hit_tokens"] == 0
+    assert saved > 0
 
 
 def test_prefix_cache_never_matches_other_tokens():
@@ -606,7 +632,7 @@ def test_prefix_cache_never_matches_other_tokens():
     reqs = [("base", base, params(seed=1, max_tokens=3)),
             ("other", other, params(seed=1, max_tokens=3)),
             ("plp", list(base), params(seed=1, max_tokens=3, prompt_logprobs=1))]
-    ec = make_ec(max_num_seqs=1)  # one at a time: every earlier prompt is cached
+    ec = make_ec(max_num_seqs=1, prefix_replay_tokens=0)  # one at a time: every earlier prompt is cached
     outs, eng, runner, _ = run(ec, reqs)
     assert outs["base"].num_cached_tokens == 0
     assert outs["other"].num_cached_tokens == 2 * BT
@@ -760,6 +786,8 @@ def test_yoco_dec_floor_set_on_add():
     (dict(max_num_seqs=0), "max_num_seqs", "0"),
     (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens", "16"),
     (dict(prefix_replay_tokens=-1), "prefix_replay_tokens", "-1"),
+    (dict(prefix_replay="approx"), "prefix_replay", "'approx'"),
+    (dict(prefix_replay="exact", prefix_replay_tokens=42), "prefix_replay_tokens", "42"),
     (dict(max_model_len=100000), "max_model_len", "100000"),
 ])
 def test_engine_config_errors_name_field_and_value(kw, field, value):
@@ -769,6 +797,24 @@ def test_engine_config_errors_name_field_and_value(kw, field, value):
     assert f"EngineConfig.{field}={value}" in msg, msg
 
 
+def test_replay_that_never_saves_work_is_a_start_up_error():
+    """A replay tail that takes every possible hit back to position 0 makes prefix caching pure
+    overhead (hits reported, nothing saved): refused at start-up, naming the fields and values."""
+    # max_model_len 64, blocks of 16: the longest hit is 48 tokens (the last token is never a hit)
+    with pytest.raises(ValueError) as ei:
+        make_ec(max_model_len=64, prefix_replay_tokens=40)
+    msg = str(ei.value)
+    assert "EngineConfig.prefix_replay='bounded' with prefix_replay_tokens=40" in msg and "max_model_len=64" in msg
+    assert make_ec(max_model_len=64, prefix_replay_tokens=32).prefix_replay_tokens == 32  # hits of 48 save 16
+    assert make_ec(max_model_len=64, prefix_replay_tokens=40, enable_prefix_caching=False)
+    # V4.1-Flash defaults: the exact replay (39*127+128) exceeds max_model_len 4096; bounded is the default
+    flash = preset("v41-flash")
+    with pytest.raises(ValueError, match=r"prefix_replay='exact' with prefix_replay_tokens=5081 .*max_model_len=4096"):
+        EngineConfig(prefix_replay="exact").resolve(flash)
+    ec = EngineConfig().resolve(flash)
+    assert (ec.max_model_len, ec.prefix_replay, ec.prefix_replay_tokens) == (4096, "bounded", 140)
+
+
 def test_engine_config_unknown_field_and_defaults():
     with pytest.raises(ValueError, match=r"max_num_seq\b.*known"):
         EngineConfig.from_kwargs(max_num_seq=4)
@@ -776,8 +822,11 @@ def test_engine_config_unknown_field_and_defaults():
     assert ec.yoco_keep_tokens == 1  # not checked when truncation is off
     ec = EngineConfig(block_tokens=BT, max_num_batched_tokens=100).resolve(MODEL_CFG)
     assert ec.max_model_len == 512 and ec.num_blocks == ec.max_num_seqs * 512 // BT
-    assert ec.prefix_replay_tokens == MODEL_CFG.num_hidden_layers * (MODEL_CFG.sliding_window - 1) \
+    assert ec.prefix_replay == "bounded" and ec.prefix_replay_tokens == ec.yoco_keep_tokens == 140
+    exact = EngineConfig(prefix_replay="exact").resolve(MODEL_CFG)
+    assert exact.prefix_replay_tokens == (MODEL_CFG.num_hidden_layers - 1) * (MODEL_CFG.sliding_window - 1) \
         + MODEL_CFG.sliding_window
+    assert exact.resolve(MODEL_CFG) == exact
     assert ec.token_buckets == (16, 32, 64, 100)
 
 

@@ -12,7 +12,8 @@ With ``async_scheduling=False`` step N's results are processed in the same round
 N+1 is planned. Both orders produce identical tokens: sampling is seeded per (request seed,
 position), and each dispatched step computes the same rows either way. A sample of a request
 that finished (or was preempted) in the meantime is dropped; the pairing of a result with its
-request is the row's ``epoch`` (bumped on preemption).
+request is the row's request id and ``epoch`` (unique per admission: see the scheduler); rows
+are plain data, so the engine looks the request up by id.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class LLMEngine:
         ``ec``: the resolved ``EngineConfig``."""
         self.runner, self.ec, self.tokenizer = runner, ec, tokenizer
         self.eos_token_id = eos_token_id
-        self.scheduler = Scheduler(ec)
+        self.scheduler = Scheduler(ec, history_tokens=getattr(runner, "history_tokens", 0))
         self.outputs = OutputProcessor(tokenizer, ec.max_model_len)
         self.stats = StatsLogger()
         self._states: dict[str, RequestState] = {}
@@ -126,10 +127,10 @@ class LLMEngine:
         done_groups = []
         now = time.monotonic()
         for i, row in enumerate(sched.rows):
-            req = row.request
-            if req.status.finished or row.epoch != req.epoch:
-                continue  # finished or preempted since this step was planned
-            st = self._states[req.request_id]
+            st = self._states.get(row.request_id)
+            req = st.request if st is not None else None
+            if req is None or req.status.finished or row.epoch != req.epoch:
+                continue  # finished, aborted or preempted since this step was planned
             if row.prompt_logprobs and res.prompt_target_lp is not None:
                 off = res.token_offsets[i]
                 for j in range(row.num_tokens):

@@ -21,7 +21,7 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     time_in_queue: float | None
-    num_cached_tokens: int            # prompt tokens served by the prefix cache
+    num_cached_tokens: int            # prompt tokens the prefix cache saved (cached length minus replayed)
     num_preemptions: int
     draft_tokens_proposed: int = 0    # speculative decoding (not in this engine's offline path yet)
     draft_tokens_accepted: int = 0
@@ -51,4 +51,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None   # of the first sample (outputs[i].metrics per sample)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0              # prompt tokens not recomputed thanks to the prefix cache

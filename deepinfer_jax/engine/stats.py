@@ -2,8 +2,9 @@
 
 Per step: scheduled tokens and the padded bucket, prefill/decode split, rows, step time (dispatch
 to results on the host), host time (scheduling + input building + dispatch), queue wait of the
-requests admitted, prefix-cache hit tokens, preemptions. ``summary()`` aggregates them with the
-number of generated tokens and the wall time.
+requests admitted, prefix-cache hit tokens (those not recomputed: the cached length minus the
+replayed tail), preemptions. ``summary()`` aggregates them with the number of generated tokens
+and the wall time.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Counting, in positions of the request's sequence:
   scheduler plans with is ``num_tokens_planned = len(all_token_ids) + num_pending``.
 * ``num_computed``: positions already scheduled into the caches (optimistic: includes steps
   still in flight). A request decodes when ``num_computed == num_tokens_planned - 1``.
-* ``epoch``: bumped on preemption; results of steps dispatched in an older epoch are dropped.
+* ``epoch``: set by the scheduler on admission and on every preemption, unique across requests;
+  results of steps dispatched in an older epoch (or for an earlier request of the same id) are dropped.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache (first admission)
+    num_cached_tokens: int = 0        # prompt tokens the prefix cache saved: the replay start (first admission)
     num_preemptions: int = 0
 
     @property

@@ -12,10 +12,15 @@ One call to ``schedule()`` plans one step under ``max_num_batched_tokens`` and
    the last token); on a hit it starts at the *replay start* — the cached length minus
    ``prefix_replay_tokens``, rounded down to a block — with its window floor there (the slot has
    no state below it) and compressed-cache writes from the cached length on (the hit blocks are
-   shared). ``prefix_replay_tokens >= (n_layers-1)*(W-1)+W`` makes the rebuilt window state exact
-   (the default, ``n_layers*(W-1)+W``, is above it): layer 0's keys come from the embeddings,
-   and layer l's outputs are exact ``(l+1)*(W-1)`` positions after the replay start (the
-   compressed KV they also read is the cached, exact one).
+   shared). The replay rebuilds the sliding-window state, which the prefix cache does not hold.
+   It is exact when ``prefix_replay_tokens >= (n_layers-1)*(W-1)+W`` (``prefix_replay="exact"``):
+   layer 0's keys come from the embeddings, exact from the replay start on, and layer l's
+   outputs are exact ``(l+1)*(W-1)`` positions after it, so the last layer's outputs (and every
+   window entry they read) are exact from ``n_layers*(W-1)`` replayed positions on; the bound
+   has one to spare (the compressed KV the layers also read is the cached, exact one). A
+   shorter tail (``prefix_replay="bounded"``, default ``yoco_keep_tokens``) is DeepSeek's
+   approximation: the oldest window entries of the upper layers see truncated context.
+   The request's ``num_cached_tokens`` is the replay start: the tokens not recomputed.
 3. When a running request needs a block and none is free, the newest running request is
    preempted (blocks and slot freed, progress reset, put at the front of the queue; its
    outputs so far are kept and recomputed with the prompt).
@@ -25,6 +30,13 @@ truncation is off or the request wants prompt logprobs); the decoder layers comp
 positions at or above ``max(floor, dec_floor)``. By the same argument as for replay, truncation
 changes nothing when ``yoco_keep_tokens >= (n_decoder_layers-1)*(W-1)+W`` (2414 for
 V4.1-Flash: 19 decoder layers, W=128); below that it is an approximation.
+
+Output: a ``SchedulerOutput`` of ``ScheduledRow``s, plain data (ids, positions, tokens, slot,
+block table, floors, sampling fields, prompt-logprob targets, the Engram look-back window): the
+runner needs no scheduler object and the plan can cross a process boundary. A row names its
+request by id and ``epoch``; epochs are unique across requests (a fresh one on admission and on
+every preemption), so the engine drops results of rows planned for a request that has since
+finished, been preempted, or been aborted and replaced under the same id.
 
 Blocks are handed to the prefix cache once every position in them is scheduled and their
 tokens are known. Device steps run in dispatch order, so a later step never reads a block before
@@ -38,6 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Any
 
 from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
@@ -46,10 +59,12 @@ from deepinfer_jax.host_scheduler.slot_pool import SlotPool
 
 @dataclasses.dataclass
 class ScheduledRow:
-    """One request's part of a step."""
+    """One request's part of a step, as plain data: the runner needs no scheduler object and a
+    row pickles across a process boundary. Only window slices of the request's tokens are copied
+    (the row's own tokens, the Engram look-back, the chunk's prompt targets), never its history."""
 
-    request: Request
-    epoch: int
+    request_id: str
+    epoch: int                 # the request's epoch when planned (unique per admission, see Scheduler)
     start: int                 # position of token_ids[0]
     token_ids: list[int]       # -1 marks the placeholder (always the last token)
     prev_row: int              # previous step's logits row holding the placeholder's id, or -1
@@ -60,8 +75,15 @@ class ScheduledRow:
     dec_floor: int
     cache_start: int
     is_prefill: bool
+    params: Any                # the request's sampling.SamplingParams (plain values, never mutated)
+    seed: int                  # the request's sampling seed
     banned: list[int]          # token ids that may not be sampled (min_tokens)
     prompt_logprobs: bool      # return logprobs of the prompt positions in this chunk
+    # prompt logprobs: the next prompt token of each of the chunk's first tokens that has one
+    prompt_targets: list[int] | None
+    # Engram: known tokens of [max(start - history_tokens, 0), start + known), known = the row's
+    # tokens less the placeholder; None when the scheduler's history_tokens is 0
+    history: list[int] | None
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +105,7 @@ class SchedulerOutput:
     step_id: int
     rows: list[ScheduledRow]
     preempted: list[str]
-    cache_hit_tokens: int      # prompt tokens served by the prefix cache for rows admitted now
+    cache_hit_tokens: int      # tokens of rows admitted now that the prefix cache saves (not recomputed)
     queue_wait: list[float]    # seconds in the queue of each request admitted now
 
     @property
@@ -108,10 +130,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, ec, max_model_len: int | None = None):
-        """``ec``: a resolved ``EngineConfig``."""
+    def __init__(self, ec, max_model_len: int | None = None, history_tokens: int = 0):
+        """``ec``: a resolved ``EngineConfig``; ``history_tokens``: tokens before each row's start
+        that its ``history`` carries (the runner's Engram look-back, ``max_ngram_size - 1``)."""
         self.ec = ec
         self.max_model_len = max_model_len or ec.max_model_len
+        self.history_tokens = history_tokens
         self.pool = BlockPool(ec.num_blocks, ec.block_tokens, ec.enable_prefix_caching)
         self.slots = SlotPool(ec.max_num_seqs)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -119,6 +143,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.next_step_id = 0
         self.num_preemptions = 0
+        self._next_epoch = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -127,6 +152,7 @@ class Scheduler:
         ec = self.ec
         if ec.yoco_truncation != "off" and req.params.prompt_logprobs is None:
             req.dec_floor = max(0, len(req.prompt_token_ids) - ec.yoco_keep_tokens)
+        req.epoch = self._new_epoch()
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -143,6 +169,12 @@ class Scheduler:
         req.status = status
         req.finished_time = time.monotonic()
         del self.requests[req.request_id]
+
+    def _new_epoch(self) -> int:
+        """Epochs are unique across requests: a stale row of an aborted request never matches a
+        new request that reuses its id."""
+        self._next_epoch += 1
+        return self._next_epoch - 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -176,15 +208,15 @@ class Scheduler:
             admitted = self._admit(req, budget)
             if admitted is None:
                 break
-            n, hits = admitted
+            n, saved = admitted
             self.waiting.popleft()
             self.running.append(req)
             now = time.monotonic()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                req.num_cached_tokens = hits
+                req.num_cached_tokens = saved
                 waits.append(now - req.arrival_time)
-            hit_tokens += hits
+            hit_tokens += saved
             rows.append(self._row(req, n, step, len(rows)))
             budget -= n
         if rows:
@@ -216,8 +248,8 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
-        """Slot, prefix lookup and blocks for a waiting request. Returns (tokens this step, prefix
-        hit tokens) or None (nothing changed) when resources are short."""
+        """Slot, prefix lookup and blocks for a waiting request. Returns (tokens this step, tokens
+        the prefix cache saves: the replay start) or None (nothing changed) when resources are short."""
         bt = self.ec.block_tokens
         self._update_hashes(req)
         n_known = req.num_tokens
@@ -242,7 +274,7 @@ class Scheduler:
         req.num_computed = start
         req.floor, req.cache_start = start, cached
         req.status = RequestStatus.RUNNING
-        return n, cached
+        return n, start
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         start = req.num_computed
@@ -269,11 +301,18 @@ class Scheduler:
         # also after a preemption: the results of rows of the older epoch are dropped, so the
         # recomputed prompt chunks must deliver their prompt logprobs again
         want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1
+        targets = req.prompt_token_ids[start + 1:min(start + 1 + n, n_prompt)] if want_plp else None
+        history = None
+        if self.history_tokens:
+            known = n - (1 if prev_row >= 0 else 0)
+            history = req.known_tokens(max(start - self.history_tokens, 0), start + known)
         self._register_blocks(req)
         return ScheduledRow(
-            request=req, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row, sample=sample,
-            slot=req.slot, blocks=list(req.blocks), floor=req.floor, dec_floor=max(req.floor, req.dec_floor),
-            cache_start=req.cache_start, is_prefill=was_prefill, banned=banned, prompt_logprobs=want_plp)
+            request_id=req.request_id, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row,
+            sample=sample, slot=req.slot, blocks=list(req.blocks), floor=req.floor,
+            dec_floor=max(req.floor, req.dec_floor), cache_start=req.cache_start, is_prefill=was_prefill,
+            params=req.params, seed=req.seed, banned=banned, prompt_logprobs=want_plp,
+            prompt_targets=targets, history=history)
 
     # ------------------------------------------------------------------ cache bookkeeping
     def _update_hashes(self, req: Request) -> None:
@@ -305,7 +344,7 @@ class Scheduler:
         req.num_computed = req.num_pending = 0
         req.last_sample = None
         req.num_registered_blocks = 0
-        req.epoch += 1
+        req.epoch = self._new_epoch()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

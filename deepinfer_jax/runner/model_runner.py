@@ -146,6 +146,8 @@ class ModelRunner:
             tok = os.path.join(model_dir, "tokenizer.json")
             self.hasher = EngramHasher.from_model_config(self.cfg, tok if os.path.exists(tok) else None)
             self.engram_tables = jax.device_put(DeviceEngramTables.from_hasher(self.hasher))
+        # tokens before each row's start that the scheduler puts in the row (the n-gram look-back)
+        self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
         self.num_rows = ec.max_num_seqs
         self.prev_sampled = jnp.zeros((self.num_rows,), jnp.int32)
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers

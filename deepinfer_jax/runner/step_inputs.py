@@ -46,7 +46,7 @@ def pick_bucket(n: int, buckets) -> int:
 
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
                      cache_config, hasher, vocab: int, prompt_lp: bool) -> StepInput:
-    """Pad ``sched.rows`` into a ``StepInput`` of the given bucket sizes."""
+    """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes."""
     specs, prev = [], np.full(num_tokens, -1, np.int32)
     n_layers = hasher.n_layers if hasher is not None else 0
     partials = None
@@ -62,10 +62,14 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         toks = list(r.token_ids)
         eids = None
         if hasher is not None:
-            # an n-gram hash looks back K-1 tokens: hash over that window of the history only
+            # an n-gram hash looks back K-1 tokens: the row carries that window of the history
             w0 = max(r.start - (hasher.max_ngram_size - 1), 0)
             known = n - (1 if r.prev_row >= 0 else 0)
-            hist = np.asarray(r.request.known_tokens(w0, r.start + known), np.int64)
+            if r.history is None or len(r.history) != r.start + known - w0:
+                raise ValueError(f"row of request {r.request_id!r}: history holds "
+                                 f"{None if r.history is None else len(r.history)} tokens, Engram needs "
+                                 f"{r.start + known - w0} (Scheduler(history_tokens={hasher.max_ngram_size - 1}))")
+            hist = np.asarray(r.history, np.int64)
             eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
             if known:
                 eids[:known] = hasher.hash_positions(hist, np.arange(r.start, r.start + known) - w0)
@@ -78,12 +82,11 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
                              cache_start=r.cache_start))
         logit_rows.append(o + n - 1 if r.sample else -1)
         if prompt_lp and r.prompt_logprobs:
-            prompt = r.request.prompt_token_ids
-            m = max(min(n, len(prompt) - 1 - r.start), 0)  # tokens whose next token is in the prompt
+            m = len(r.prompt_targets)  # tokens whose next token is in the prompt
             plp_rows[o:o + m] = np.arange(o, o + m)
-            targets[o:o + m] = prompt[r.start + 1:r.start + 1 + m]
+            targets[o:o + m] = r.prompt_targets
         if r.sample:
-            sample_rows.append((i, SampleRow(r.request.params, r.request.seed, r.sample_position, tuple(r.banned))))
+            sample_rows.append((i, SampleRow(r.params, r.seed, r.sample_position, tuple(r.banned))))
         o += n
     logit_rows += [-1] * (num_rows - len(logit_rows))
     if prompt_lp:
