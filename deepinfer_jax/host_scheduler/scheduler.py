@@ -48,85 +48,12 @@ kernels must keep that order).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-from typing import Any
 
 from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.slot_pool import SlotPool
-
-
-@dataclasses.dataclass
-class ScheduledRow:
-    """One request's part of a step, as plain data: the runner needs no scheduler object and a
-    row pickles across a process boundary. Only window slices of the request's tokens are copied
-    (the row's own tokens, the Engram look-back, the chunk's prompt targets), never its history."""
-
-    request_id: str
-    epoch: int                 # the request's epoch when planned (unique per admission, see Scheduler)
-    start: int                 # position of token_ids[0]
-    token_ids: list[int]       # -1 marks the placeholder (always the last token)
-    prev_row: int              # previous step's logits row holding the placeholder's id, or -1
-    sample: bool               # the chunk reaches the end of the sequence: sample the next token
-    slot: int
-    blocks: list[int]
-    floor: int
-    dec_floor: int
-    cache_start: int
-    is_prefill: bool
-    params: Any                # the request's sampling.SamplingParams (plain values, never mutated)
-    seed: int                  # the request's sampling seed
-    banned: list[int]          # token ids that may not be sampled (min_tokens)
-    prompt_logprobs: bool      # return logprobs of the prompt positions in this chunk
-    # prompt logprobs: the next prompt token of each of the chunk's first tokens that has one
-    prompt_targets: list[int] | None
-    # Engram: known tokens of [max(start - history_tokens, 0), start + known), known = the row's
-    # tokens less the placeholder; None when the scheduler's history_tokens is 0
-    history: list[int] | None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def sample_position(self) -> int:
-        """Position of the token sampled by this row."""
-        return self.start + len(self.token_ids)
-
-    @property
-    def num_decoder_tokens(self) -> int:
-        first = min(max(self.dec_floor - self.start, 0), len(self.token_ids))
-        return len(self.token_ids) - first
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    step_id: int
-    rows: list[ScheduledRow]
-    preempted: list[str]
-    cache_hit_tokens: int      # tokens of rows admitted now that the prefix cache saves (not recomputed)
-    queue_wait: list[float]    # seconds in the queue of each request admitted now
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows if r.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
-
-    @property
-    def num_decoder_tokens(self) -> int:
-        return sum(r.num_decoder_tokens for r in self.rows)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return any(r.prompt_logprobs for r in self.rows)
+from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  # noqa: F401  (re-exported)
 
 
 class Scheduler:

@@ -197,7 +197,7 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket variant (prompt logprobs excluded); returns seconds spent."""
-        from deepinfer_jax.host_scheduler.scheduler import SchedulerOutput
+        from deepinfer_jax.base.scheduler_output import SchedulerOutput
 
         t0 = time.perf_counter()
         empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
