@@ -96,7 +96,7 @@ class EngineConfig:
         if num_blocks < blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks={num_blocks}: fewer than one max_model_len sequence "
                              f"needs ({blocks_per_seq} blocks of {self.block_tokens} tokens)")
-        replay = self._replay_tokens(cfg, max_len)
+        replay, caching = self._replay_tokens(cfg, max_len)
         buckets = self.token_buckets
         if buckets is None and platform == "cpu":
             buckets = (self.max_num_batched_tokens,)
@@ -120,12 +120,14 @@ class EngineConfig:
         dec = tuple(sorted(set(int(b) for b in (self.decoder_buckets or buckets))))
         if dec[0] < 1:
             self._bad("decoder_buckets", "sizes must be >= 1")
-        return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks,
+        return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks, enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec)
 
-    def _replay_tokens(self, cfg, max_len: int) -> int:
-        """The resolved replay tail; a setting under which no prefix hit can save work is an error."""
+    def _replay_tokens(self, cfg, max_len: int) -> tuple[int, bool]:
+        """(the resolved replay tail, whether prefix caching stays on). A setting the user gave
+        under which no prefix hit can save work is an error; when only the defaults lead there
+        (a short max_model_len), prefix caching is turned off instead, with a log line."""
         if self.prefix_replay not in PREFIX_REPLAY_MODES:
             self._bad("prefix_replay", f"expected one of {PREFIX_REPLAY_MODES}")
         replay, exact = self.prefix_replay_tokens, exact_replay_tokens(cfg)
@@ -136,20 +138,28 @@ class EngineConfig:
                 self._bad("prefix_replay_tokens", f"below the exact replay (num_hidden_layers-1)*(sliding_window-1)"
                                                   f"+sliding_window = {exact} of prefix_replay='exact'")
             replay = exact if replay is None else replay
-        elif replay is None:
+        defaulted = self.prefix_replay == "bounded" and replay is None
+        if defaulted:
             replay = self.yoco_keep_tokens
         # the longest hit: full blocks of max_len-1 known tokens less the last one (never a hit);
         # the replay starts at (hit - replay) rounded down to a block
         bt = self.block_tokens
         longest = (max_len - 2) // bt * bt
         if self.enable_prefix_caching and (longest - replay) // bt < 1:
+            if defaulted:
+                import logging
+
+                logging.getLogger("deepinfer_jax").info(
+                    "prefix caching off: with the default replay tail (%d tokens) no prefix hit can save "
+                    "work at max_model_len=%d, block_tokens=%d", replay, max_len, bt)
+                return replay, False
             raise ValueError(
                 f"EngineConfig.prefix_replay={self.prefix_replay!r} with prefix_replay_tokens={replay}"
                 f"{' (the exact bound)' if self.prefix_replay == 'exact' else ''}: every "
                 f"prefix hit would replay from position 0 (longest hit {longest} tokens at max_model_len="
                 f"{max_len}, block_tokens={bt}), so prefix caching saves no work; use prefix_replay='bounded' "
                 "with a shorter prefix_replay_tokens, or enable_prefix_caching=False")
-        return replay
+        return replay, self.enable_prefix_caching
 
     @property
     def blocks_per_seq(self) -> int:

@@ -807,6 +807,9 @@ def test_replay_that_never_saves_work_is_a_start_up_error():
     assert "EngineConfig.prefix_replay='bounded' with prefix_replay_tokens=40" in msg and "max_model_len=64" in msg
     assert make_ec(max_model_len=64, prefix_replay_tokens=32).prefix_replay_tokens == 32  # hits of 48 save 16
     assert make_ec(max_model_len=64, prefix_replay_tokens=40, enable_prefix_caching=False)
+    # the same with only the defaults (tail = yoco_keep_tokens 140): no error, prefix caching off
+    ec = make_ec(max_model_len=64)
+    assert ec.enable_prefix_caching is False and ec.resolve(MODEL_CFG) == ec
     # V4.1-Flash defaults: the exact replay (39*127+128) exceeds max_model_len 4096; bounded is the default
     flash = preset("v41-flash")
     with pytest.raises(ValueError, match=r"prefix_replay='exact' with prefix_replay_tokens=5081 .*max_model_len=4096"):

@@ -1,5 +1,5 @@
 """Engram, device half: fetch n-gram rows by hash id, project to keys and a value, gate into the
-stream. Hash ids are computed on the host (``models/engram_hash.py``) and arrive with the batch.
+stream. Hash ids are computed on the host (``runner/engram_hash.py``) and arrive with the batch.
 
 Table rows are fp8 e4m3 with one ue8m0 scale per 32 channels of a row. For each token:
 ``e = concat(rows)``; ``[keys (C x D), value (D)] = wkv(e)``; per copy c:

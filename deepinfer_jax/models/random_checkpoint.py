@@ -139,7 +139,7 @@ def random_tensor_values(name: str, spec: TensorSpec, cfg: Any, seed: int,
 
 def engram_table_rows(cfg: Any) -> tuple[int, ...]:
     """Rows of each Engram layer's table (sum of its primes), from ``engram_hash``."""
-    from . import engram_hash as eh
+    from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
 
     fn = getattr(eh, "engram_table_rows", None)
     if fn is not None:
@@ -250,7 +250,7 @@ def write_random_model_config(cfg: Any, out_dir: str | os.PathLike, tokenizer: b
     if tokenizer:
         tok_path = write_random_tokenizer(cfg, out_dir)
     if cfg.engram_enabled:
-        from . import engram_hash as eh
+        from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
 
         if tok_path is not None:
             _, size = eh.compressed_token_map(tok_path)
@@ -259,7 +259,7 @@ def write_random_model_config(cfg: Any, out_dir: str | os.PathLike, tokenizer: b
     if changes:
         cfg = cfg.replace(**changes)
     if cfg.engram_enabled and tok_path is not None:
-        from . import engram_hash as eh
+        from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
 
         eh.EngramHasher.from_model_config(cfg, tokenizer_path=tok_path)  # raises on mismatch
     cfg.to_json(os.path.join(out_dir, "config.json"))

@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
-from deepinfer_jax.models.engram_hash import EngramHasher
-from deepinfer_jax.models.engram_hash_device import DeviceEngramTables, device_hash
+from deepinfer_jax.runner.engram_hash import EngramHasher
+from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import sample
 

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from deepinfer_jax.models.engram_hash_device import host_partials
+from deepinfer_jax.runner.engram_hash_device import host_partials
 from deepinfer_jax.base.forward_batch import ForwardBatch, RowSpec, build_batch
 from deepinfer_jax.sampling.params import SamplingParams
 from deepinfer_jax.sampling.sampler import SampleRow, SamplingBatch, build_sampling_batch

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.models.engram_hash import EngramHasher
+from deepinfer_jax.runner.engram_hash import EngramHasher
 
 __all__ = [
     "DeviceEngramTables",

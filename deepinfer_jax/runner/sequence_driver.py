@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
-from deepinfer_jax.models.engram_hash import EngramHasher
+from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.base.forward_batch import RowSpec, build_batch
 
 
