@@ -125,7 +125,7 @@ def main(argv=None) -> int:
 
     from deepinfer_jax.kernels_pallas import ops
     from deepinfer_jax.models.cache import CacheConfig, allocate_cache
-    from deepinfer_jax.models.engram_hash import EngramHasher
+    from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.base.forward_batch import RowSpec, build_batch
     from deepinfer_jax.models.random_checkpoint import write_random_model_config
     from deepinfer_jax.models.weights import load_model

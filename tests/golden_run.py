@@ -13,8 +13,8 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.cache import CacheConfig, index_keys
-from deepinfer_jax.models.engram_hash import EngramHasher
-from deepinfer_jax.models.greedy import SequenceDriver
+from deepinfer_jax.runner.engram_hash import EngramHasher
+from deepinfer_jax.runner.sequence_driver import SequenceDriver
 from deepinfer_jax.models.weights import load_model
 
 GOLDEN_CONFIGS = ("tiny_fp8", "tiny_bf16", "tiny_fp8_long", "tiny_fp8_long_allsel")

@@ -40,8 +40,8 @@ import pytest
 
 from deepinfer_jax.config import preset
 from deepinfer_jax.models.cache import CacheConfig
-from deepinfer_jax.models.engram_hash import EngramHasher
-from deepinfer_jax.models.greedy import SequenceDriver
+from deepinfer_jax.runner.engram_hash import EngramHasher
+from deepinfer_jax.runner.sequence_driver import SequenceDriver
 from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
 from deepinfer_jax.models.weights import load_model
 

@@ -417,7 +417,7 @@ def test_random_checkpoint_matches_spec(random_tiny):
         assert r.spec(name) == (s.file_dtype, s.shape), name
     check_checkpoint(cfg, r)
     # Engram sizes follow the tokenizer and the primes
-    from deepinfer_jax.models.engram_hash import EngramHasher, compressed_token_map
+    from deepinfer_jax.runner.engram_hash import EngramHasher, compressed_token_map
 
     _, size = compressed_token_map(str(random_tiny / "tokenizer.json"))
     assert cfg.engram_compressed_vocab_size == size

@@ -342,8 +342,8 @@ def test_engine_matches_the_model_driven_directly(model_dir, prompts16):
 
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.models.cache import CacheConfig
-    from deepinfer_jax.models.engram_hash import EngramHasher
-    from deepinfer_jax.models.greedy import SequenceDriver
+    from deepinfer_jax.runner.engram_hash import EngramHasher
+    from deepinfer_jax.runner.sequence_driver import SequenceDriver
     from deepinfer_jax.models.weights import load_model
 
     cfg = ModelConfig.from_json(model_dir)

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from deepinfer_jax.models.engram_hash import (
+from deepinfer_jax.runner.engram_hash import (
     EngramHasher,
     compressed_token_map,
     identity_token_map,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config import preset
-from deepinfer_jax.models.engram_hash import EngramHasher, is_prime
-from deepinfer_jax.models.engram_hash_device import (
+from deepinfer_jax.runner.engram_hash import EngramHasher, is_prime
+from deepinfer_jax.runner.engram_hash_device import (
     DeviceEngramTables,
     device_hash,
     host_partials,

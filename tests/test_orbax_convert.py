@@ -12,7 +12,7 @@ from flax import nnx
 
 from deepinfer_jax.config import ModelConfig, preset
 from deepinfer_jax.models.cache import CacheConfig
-from deepinfer_jax.models.greedy import SequenceDriver
+from deepinfer_jax.runner.sequence_driver import SequenceDriver
 from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
 
 # same step shapes as tests/test_sharding.py, so one session compiles the step once

@@ -78,7 +78,7 @@ def test_scheduler_output_is_plain_data_and_builds_identical_step_inputs():
     import jax
 
     from deepinfer_jax.models.cache import CacheConfig
-    from deepinfer_jax.models.engram_hash import EngramHasher
+    from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.runner.step_inputs import build_step_input
 
     ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_tokens=16, max_logprobs=2,

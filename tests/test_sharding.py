@@ -43,7 +43,7 @@ def cache_config():
 def drive(model, mesh=None):
     """Prefill both prompts in one ragged step + greedy decode. Returns (logits [1+steps, 2, V],
     tokens [1+steps, 2])."""
-    from deepinfer_jax.models.greedy import SequenceDriver
+    from deepinfer_jax.runner.sequence_driver import SequenceDriver
 
     drv = SequenceDriver(model, cache_config())
     if mesh is not None:
