@@ -254,6 +254,10 @@ def test_text_prompts_and_detokenization(llm):
     ([5, 6], SamplingParams(temperature=-1.0), r"request 1: SamplingParams.temperature=-1.0"),
     ([5, 6], SamplingParams(logprobs=50), r"request 1: SamplingParams.logprobs=50"),
     ({"prompt_ids": [1]}, GREEDY, r"request 1: unknown prompt field"),
+    ({"prompt_token_ids": "abc"}, GREEDY, r"request 1: prompt_token_ids of type str"),
+    ({"prompt": "a b c", "prompt_token_ids": [5, 6]}, GREEDY, r"request 1: 'prompt' and 'prompt_token_ids' disagree"),
+    ("a \ud800", GREEDY, r"request 1: prompt is not valid Unicode text"),
+    ([5, False], GREEDY, r"request 1: prompt_token_ids\[1\]=False: token ids must be integers"),
 ])
 def test_bad_request_raises_before_any_work(llm, prompt, params, match):
     steps_before = len(llm.stats.steps)
@@ -261,6 +265,24 @@ def test_bad_request_raises_before_any_work(llm, prompt, params, match):
         llm.generate([[5, 6, 7], prompt, [8, 9]], [GREEDY, params, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.stats.steps) == steps_before
+
+
+def test_prompt_forms(llm):
+    """A 1-D array of ids is one prompt, a 2-D one a batch; numpy integer ids are ids."""
+    p, q = [5, 6, 7, 8], [9, 10, 11]
+    want = tokens(llm.generate([p, q], GREEDY, use_tqdm=False))
+    assert tokens(llm.generate(np.array(p), GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(llm.generate(np.array([p, p]), GREEDY, use_tqdm=False)) == [want[0]] * 2
+    assert tokens(llm.generate([np.int64(t) for t in p], GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(llm.generate([np.array(p, np.int32), {"prompt_token_ids": np.array(q)}], GREEDY,
+                               use_tqdm=False)) == want
+    text = llm.generate({"prompt": "a b c", "prompt_token_ids": llm.tokenizer.encode("a b c")}, GREEDY,
+                        use_tqdm=False)[0]
+    assert text.prompt == "a b c"
+    for bad in (None, 5, 2.5):
+        with pytest.raises(ValueError, match=rf"prompts={bad}: expected a prompt"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_engine_and_model_config(model_dir):

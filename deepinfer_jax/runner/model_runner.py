@@ -25,6 +25,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.interrupts import deferred_interrupts
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.models.engram_hash import EngramHasher
@@ -171,7 +172,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         # on a mesh the step is traced with it as the context mesh: ops that shard_map a kernel
         # (moe_ep.py) read it there; plain GSPMD code is unaffected (the mesh axes are Auto)
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        # the step consumes the donated cache: a KeyboardInterrupt between the call and the store
+        # would leave ``self.cache`` deleted, so SIGINT is held until both are done
+        mesh_ctx = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with mesh_ctx, deferred_interrupts():
             self.cache, out, plp, self.prev_sampled = self._step(
                 self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
                 num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp)
