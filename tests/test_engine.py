@@ -285,6 +285,23 @@ def test_prompt_forms(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As vLLM: a stop string in the text of the first ``min_tokens`` tokens does not end the request."""
+    prompt = "the cat and the dog"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    head = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text.strip()
+    assert head, "the first two tokens have no text: pick another prompt"
+    early = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, stop=[head], ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, stop=[head],
+                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 5 and late.token_ids == free.token_ids[:len(late.token_ids)]
+    assert late.text.startswith(early.text) and len(late.text) > len(early.text)
+
+
 def test_bad_engine_and_model_config(model_dir):
     with pytest.raises(ValueError, match=r"model='/nonexistent/dir'"):
         LLM("/nonexistent/dir", progress=False)
