@@ -323,14 +323,19 @@ def test_stats_summary(llm, batched16):
     assert "tok/s" in llm.stats.summary_line()
 
 
-def test_cli_generate(model_dir, capsys):
+def test_cli_generate(model_dir, capsys, tmp_path):
+    import json
+
     from deepinfer_jax.entrypoints.cli import main
 
+    stats = tmp_path / "new" / "stats.json"  # its folder is created
     rc = main(["generate", "--model", model_dir, "--prompt", "the cat", "--prompt-ids", "5,6,7",
                "--max-tokens", "3", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
-               "--token-buckets", "64", "--max-model-len", "320", "--index-key-dtype", "fp8"])
+               "--token-buckets", "64", "--max-model-len", "320", "--index-key-dtype", "fp8",
+               "--stats-json", str(stats)])
     out = capsys.readouterr().out
     assert rc == 0
+    assert json.loads(stats.read_text())["summary"]["requests"] == 2
     assert "prompt: 'the cat'" in out and "prompt: [5, 6, 7]" in out and "(length)" in out
     assert "2 requests" in out and "tok/s" in out
     assert main(["generate", "--model", "/nonexistent/dir"]) == 2
