@@ -77,10 +77,8 @@ def _targets(llm, monkeypatch):
 
     def on_class(cls, attr):
         def install(k, when):
-            orig = getattr(cls, attr)
-            c = Counter(None, k, when)
-            c.fn = orig
-            monkeypatch.setattr(cls, attr, lambda self, *a, **kw: c(self, *a, **kw))
+            c = Counter(getattr(cls, attr), k, when)
+            monkeypatch.setattr(cls, attr, lambda self, *a, **kw: c(self, *a, **kw))  # a method
             return c
         return install
 
@@ -112,11 +110,10 @@ def _ks(n: int) -> list[int]:
     return sorted({1, 2, max(1, n // 2), n})
 
 
-CASES = [(name, when) for name, when in [
-    ("step", "before"), ("step", "after"), ("execute", "before"), ("execute", "after"),
-    ("jit_step", "sigint"), ("fetch", "before"), ("fetch", "after"), ("fetch", "sigint"),
-    ("add_token", "before"), ("add_token", "after"), ("add_token", "sigint"), ("bar", "before"),
-    ("queue", "before"), ("queue", "sigint")]]
+CASES = [("step", "before"), ("step", "after"), ("execute", "before"), ("execute", "after"),
+         ("jit_step", "sigint"), ("fetch", "before"), ("fetch", "after"), ("fetch", "sigint"),
+         ("add_token", "before"), ("add_token", "after"), ("add_token", "sigint"), ("bar", "before"),
+         ("queue", "before"), ("queue", "sigint")]
 
 
 @pytest.mark.parametrize("name, when", CASES)
@@ -175,7 +172,7 @@ def test_failing_prompt_iterable(llm, reference, fail_at):
 def test_a_second_interrupt_during_clean_up(llm, reference, monkeypatch):
     """Ctrl-C twice: the first interrupts the run, the second the clean-up. The next call
     starts by finishing the clean-up."""
-    want, calls = reference
+    want = reference[0]
     _targets(llm, monkeypatch)["fetch"](2, "before")
     orig = llm.engine.abort_all
     monkeypatch.setattr(llm.engine, "abort_all", Counter(orig, 1, "before"))
@@ -260,3 +257,19 @@ def test_interrupt_between_planning_and_dispatch_forgets_unwritten_blocks(llm, m
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         np.testing.assert_allclose(got.outputs[0].cumulative_logprob, want.outputs[0].cumulative_logprob, atol=1e-5)
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_deferred_interrupts_hold_sigint_until_the_outermost_section_ends():
+    from deepinfer_jax.interrupts import deferred_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            with deferred_interrupts():
+                signal.raise_signal(signal.SIGINT)
+                done.append("inner")
+            done.append("outer")
+    assert done == ["inner", "outer"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with deferred_interrupts():  # nothing pending: nothing raised
+        pass
