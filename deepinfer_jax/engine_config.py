@@ -19,6 +19,25 @@ def exact_replay_tokens(cfg) -> int:
     W = cfg.sliding_window
     return (cfg.num_hidden_layers - 1) * (W - 1) + W
 
+# field -> (kind, lowest value or None, None allowed); kinds: "int", "bool", "str", "ints" (a
+# non-empty tuple or list of ints). Ranges that need the model (max_model_len, max_logprobs) are
+# checked in resolve. block_tokens and prefix_replay_tokens are type-checked only here.
+_FIELD_TYPES = {
+    "max_num_seqs": ("int", 1, False), "max_num_batched_tokens": ("int", 1, False),
+    "max_model_len": ("int", None, True), "block_tokens": ("int", None, True),
+    "num_blocks": ("int", 1, True), "enable_prefix_caching": ("bool", None, False),
+    "index_key_dtype": ("str", None, False), "prefix_replay_tokens": ("int", None, True),
+    "yoco_truncation": ("str", None, False), "yoco_keep_tokens": ("int", 0, False),
+    "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
+    "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
+    "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
+    "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # Python ints: they become static shapes
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -62,9 +81,33 @@ class EngineConfig:
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
 
+    def _check_types(self, cfg) -> None:
+        """Every field's type (bools are not ints here, and ints not bools) and lower bound;
+        ``max_logprobs`` at most the vocabulary size."""
+        for f, (kind, lo, optional) in _FIELD_TYPES.items():
+            v = getattr(self, f)
+            if v is None and optional:
+                continue
+            if kind == "bool":
+                if not isinstance(v, bool):
+                    self._bad(f, "must be a bool (True or False)")
+            elif kind == "str":
+                if not isinstance(v, str):
+                    self._bad(f, "must be a string" + (" or None" if optional else ""))
+            elif kind == "int":
+                if not _is_int(v):
+                    self._bad(f, "must be an int" + (" or None" if optional else ""))
+                if lo is not None and v < lo:
+                    self._bad(f, f"must be >= {lo}")
+            elif not isinstance(v, (tuple, list)) or not v or not all(_is_int(b) and b >= lo for b in v):
+                self._bad(f, f"must be a non-empty tuple of ints >= {lo} (or None for the default)")
+        if self.max_logprobs > cfg.vocab_size:
+            self._bad("max_logprobs", f"must be <= the model's vocab_size ({cfg.vocab_size})")
+
     def resolve(self, cfg, platform: str | None = None) -> "EngineConfig":
         """Defaults that depend on the model (and the platform: ``jax.default_backend()``), then
         the checks. Returns a new config."""
+        self._check_types(cfg)
         for f in ("max_num_seqs", "max_num_batched_tokens", "block_tokens", "dp", "cp"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:

@@ -267,6 +267,10 @@ def test_text_prompts_and_detokenization(llm):
     ([5, 6], SamplingParams(temperature=-1.0), r"request 1: SamplingParams.temperature=-1.0"),
     ([5, 6], SamplingParams(logprobs=50), r"request 1: SamplingParams.logprobs=50"),
     ({"prompt_ids": [1]}, GREEDY, r"request 1: unknown prompt field"),
+    ({"prompt_token_ids": "abc"}, GREEDY, r"request 1: prompt_token_ids of type str"),
+    ({"prompt": "a b c", "prompt_token_ids": [5, 6]}, GREEDY, r"request 1: 'prompt' and 'prompt_token_ids' disagree"),
+    ("a \ud800", GREEDY, r"request 1: prompt is not valid Unicode text"),
+    ([5, False], GREEDY, r"request 1: prompt_token_ids\[1\]=False: token ids must be integers"),
 ])
 def test_bad_request_raises_before_any_work(llm, prompt, params, match):
     steps_before = len(llm.stats.steps)
@@ -274,6 +278,41 @@ def test_bad_request_raises_before_any_work(llm, prompt, params, match):
         llm.generate([[5, 6, 7], prompt, [8, 9]], [GREEDY, params, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.stats.steps) == steps_before
+
+
+def test_prompt_forms(llm):
+    """A 1-D array of ids is one prompt, a 2-D one a batch; numpy integer ids are ids."""
+    p, q = [5, 6, 7, 8], [9, 10, 11]
+    want = tokens(llm.generate([p, q], GREEDY, use_tqdm=False))
+    assert tokens(llm.generate(np.array(p), GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(llm.generate(np.array([p, p]), GREEDY, use_tqdm=False)) == [want[0]] * 2
+    assert tokens(llm.generate([np.int64(t) for t in p], GREEDY, use_tqdm=False)) == want[:1]
+    assert tokens(llm.generate([np.array(p, np.int32), {"prompt_token_ids": np.array(q)}], GREEDY,
+                               use_tqdm=False)) == want
+    text = llm.generate({"prompt": "a b c", "prompt_token_ids": llm.tokenizer.encode("a b c")}, GREEDY,
+                        use_tqdm=False)[0]
+    assert text.prompt == "a b c"
+    for bad in (None, 5, 2.5):
+        with pytest.raises(ValueError, match=rf"prompts={bad}: expected a prompt"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As vLLM: a stop string in the text of the first ``min_tokens`` tokens does not end the request."""
+    prompt = "the cat and the dog"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    head = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text.strip()
+    assert head, "the first two tokens have no text: pick another prompt"
+    early = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, stop=[head], ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, stop=[head],
+                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 5 and late.token_ids == free.token_ids[:len(late.token_ids)]
+    assert late.text.startswith(early.text) and len(late.text) > len(early.text)
 
 
 def test_bad_engine_and_model_config(model_dir):
@@ -297,14 +336,19 @@ def test_stats_summary(llm, batched16):
     assert "tok/s" in llm.stats.summary_line()
 
 
-def test_cli_generate(model_dir, capsys):
+def test_cli_generate(model_dir, capsys, tmp_path):
+    import json
+
     from deepinfer_jax.entrypoints.cli import main
 
+    stats = tmp_path / "new" / "stats.json"  # its folder is created
     rc = main(["generate", "--model", model_dir, "--prompt", "the cat", "--prompt-ids", "5,6,7",
                "--max-tokens", "3", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
-               "--token-buckets", "64", "--max-model-len", "320", "--index-key-dtype", "fp8"])
+               "--token-buckets", "64", "--max-model-len", "320", "--index-key-dtype", "fp8",
+               "--stats-json", str(stats)])
     out = capsys.readouterr().out
     assert rc == 0
+    assert json.loads(stats.read_text())["summary"]["requests"] == 2
     assert "prompt: 'the cat'" in out and "prompt: [5, 6, 7]" in out and "(length)" in out
     assert "2 requests" in out and "tok/s" in out
     assert main(["generate", "--model", "/nonexistent/dir"]) == 2

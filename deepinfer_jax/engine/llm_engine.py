@@ -14,19 +14,29 @@ position), and each dispatched step computes the same rows either way. A sample 
 that finished (or was preempted) in the meantime is dropped; the pairing of a result with its
 request is the row's request id and ``epoch`` (unique per admission: see the scheduler); rows
 are plain data, so the engine looks the request up by id.
+
+Every request is checked on the way in (``input_checks.py``); a batch is queued whole or not at
+all. Planning, result processing and request bookkeeping run with SIGINT held
+(``interrupts.py``), so an interrupt lands between them and ``abort_all()`` can always bring the
+engine back to empty. A step's sampled logprob that is not finite (NaN weights, overflow)
+raises ``RuntimeError`` before any of that step's results is applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any, Sequence
 
 import numpy as np
 
+from deepinfer_jax.engine import input_checks
 from deepinfer_jax.engine.output_processor import OutputProcessor, RequestState
 from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.engine.stats import StatsLogger, StepStats
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.scheduler import Scheduler
+from deepinfer_jax.interrupts import deferred_interrupts
 
 _MASK63 = (1 << 63) - 1
 
@@ -41,12 +51,26 @@ def child_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 31)) & _MASK63
 
 
+@dataclasses.dataclass
+class CheckedRequest:
+    """A request that passed the input checks, ready to queue."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: Any  # SamplingParams, validated
+
+
 class LLMEngine:
-    def __init__(self, runner, ec, tokenizer=None, eos_token_id: int | None = None):
+    def __init__(self, runner, ec, tokenizer=None, eos_token_id: int | None = None,
+                 vocab_size: int | None = None):
         """``runner``: a ``ModelRunner`` (or anything with ``execute(sched) -> handle``);
-        ``ec``: the resolved ``EngineConfig``."""
+        ``ec``: the resolved ``EngineConfig``; ``vocab_size`` bounds prompt and stop token ids
+        (default: the runner's model config, if it has one)."""
         self.runner, self.ec, self.tokenizer = runner, ec, tokenizer
         self.eos_token_id = eos_token_id
+        cfg = getattr(runner, "cfg", None)
+        self.vocab_size = vocab_size if vocab_size is not None else getattr(cfg, "vocab_size", None)
         self.scheduler = Scheduler(ec, history_tokens=getattr(runner, "history_tokens", 0))
         self.outputs = OutputProcessor(tokenizer, ec.max_model_len)
         self.stats = StatsLogger()
@@ -54,28 +78,73 @@ class LLMEngine:
         self._groups: dict[str, list[RequestState]] = {}
         self._prompts: dict[str, str | None] = {}
         self._inflight = None
+        # set from planning a step until its dispatch returned: if that is cut short, blocks the
+        # scheduler handed to the prefix cache were never written (abort_all resets the cache)
+        self._undispatched = False
         self._rng = np.random.default_rng(ec.seed)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
+    def check_requests(self, requests: Sequence[tuple], labels: Sequence | None = None) -> list[CheckedRequest]:
+        """Check ``(request_id, prompt, params)`` triples without queueing anything. ``prompt``:
+        text, token ids (a sequence or 1-D integer array) or a dict with ``prompt`` and/or
+        ``prompt_token_ids``. Errors name ``labels[i]`` (default: the index ``i``)."""
+        out, seen = [], set()
+        for i, (rid, prompt, params) in enumerate(requests):
+            label = i if labels is None else labels[i]
+            if not isinstance(rid, str):
+                raise ValueError(f"request {label}: request id {rid!r} of type {type(rid).__name__}; expected str")
+            if rid in self._groups or rid in seen:
+                raise ValueError(f"request {label}: request id {rid!r} is already in use")
+            seen.add(rid)
+            params = input_checks.check_params(label, params, max_logprobs=self.ec.max_logprobs,
+                                               vocab_size=self.vocab_size)
+            ids, text = input_checks.parse_prompt(label, prompt, self.tokenizer)
+            input_checks.check_prompt_ids(label, ids, vocab_size=self.vocab_size,
+                                          max_model_len=self.ec.max_model_len)
+            out.append(CheckedRequest(rid, ids, text, params))
+        return out
+
+    def add_checked(self, requests: Sequence[CheckedRequest], arrival_time: float | None = None) -> None:
+        """Queue requests returned by ``check_requests`` (all of them, or none on an interrupt)."""
+        with deferred_interrupts():
+            for r in requests:
+                self._queue(r, arrival_time)
+
+    def add_requests(self, requests: Sequence[tuple], arrival_time: float | None = None) -> None:
+        """Check every ``(request_id, prompt, params)`` triple, then queue them all: nothing of
+        the batch is queued when one is bad (the error names its index)."""
+        self.add_checked(self.check_requests(requests), arrival_time)
+
+    def add_request(self, request_id: str, prompt_token_ids, params, prompt: str | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a validated request (``params.n`` samples share the prompt)."""
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Check and queue one request (``params.n`` samples share the prompt). Give token ids,
+        or text as ``prompt`` (``prompt_token_ids=None``), or both (they must agree). Errors
+        name the request id."""
+        if prompt is None:
+            spec = prompt_token_ids
+        elif prompt_token_ids is None:
+            spec = prompt
+        else:
+            spec = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
+        self.add_checked(self.check_requests([(request_id, spec, params)], labels=[repr(request_id)]),
+                         arrival_time)
+
+    def _queue(self, r: CheckedRequest, arrival_time: float | None) -> None:
+        params = r.params
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
         states = []
         for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, list(prompt_token_ids), params, child_seed(seed, i), self.eos_token_id)
+            rid = r.request_id if params.n == 1 else f"{r.request_id}#{i}"
+            req = Request(rid, list(r.prompt_token_ids), params, child_seed(seed, i), self.eos_token_id)
             if arrival_time is not None:
                 req.arrival_time = arrival_time
-            st = self.outputs.new_state(req, request_id, i)
+            st = self.outputs.new_state(req, r.request_id, i)
             self._states[rid] = st
             states.append(st)
             self.scheduler.add_request(req)
-        self._groups[request_id] = states
-        self._prompts[request_id] = prompt
-        self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+        self._groups[r.request_id] = states
+        self._prompts[r.request_id] = r.prompt
+        self.stats.prompt_tokens += len(r.prompt_token_ids) * params.n
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish every sample of ``request_id`` with "abort" (their blocks and slots are freed;
@@ -96,6 +165,23 @@ class LLMEngine:
                 self._states.pop(s.request.request_id, None)
             self._prompts.pop(g, None)
 
+    def abort_all(self) -> None:
+        """Abort every request and drop the in-flight step (after an interrupted or failed
+        run): blocks and slots are freed and the engine is empty. If a planned step never
+        reached the device, the prefix cache is reset (its newest blocks were never written)."""
+        with deferred_interrupts():
+            self._inflight = None
+            for g in list(self._groups):
+                self.abort_request(g)
+            for req in list(self.scheduler.requests.values()):  # not registered with the engine
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._states.clear()
+            self._groups.clear()
+            self._prompts.clear()
+            if self._undispatched:
+                self.scheduler.pool.reset_prefix_cache()
+                self._undispatched = False
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
@@ -103,8 +189,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One round; returns the requests (all ``n`` samples) that finished in it."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        with deferred_interrupts():
+            self._undispatched = True
+            sched = self.scheduler.schedule()
         handle = self.runner.execute(sched) if sched.rows else None
+        self._undispatched = False
         if handle is not None:
             handle.host_time = time.perf_counter() - t0
         finished: list[RequestOutput] = []
@@ -122,7 +211,23 @@ class LLMEngine:
         return finished
 
     def _process(self, handle) -> list[RequestOutput]:
-        res = handle.fetch()
+        res = handle.fetch()  # the wait for the device: interruptible
+        self._check_finite(handle.sched, res)
+        with deferred_interrupts():  # the results are applied whole
+            return self._apply(handle, res)
+
+    def _check_finite(self, sched, res) -> None:
+        for i, row in enumerate(sched.rows):
+            st = self._states.get(row.request_id)
+            req = st.request if st is not None else None
+            if req is None or req.status.finished or row.epoch != req.epoch:
+                continue  # a dropped result (finished, aborted or preempted since planned)
+            if row.sample and not np.isfinite(res.logprob[i]):
+                raise RuntimeError(f"request {st.parent_id!r} (sample {st.index}): step {sched.step_id} sampled "
+                                   f"token {int(res.token_ids[i])} with logprob {float(res.logprob[i])}: the model's "
+                                   "outputs are not finite (e.g. NaN weights)")
+
+    def _apply(self, handle, res) -> list[RequestOutput]:
         sched = handle.sched
         done_groups = []
         now = time.monotonic()

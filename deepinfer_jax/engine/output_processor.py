@@ -4,6 +4,9 @@ Stop rules, checked after each new token in this order: EOS (unless ``ignore_eos
 ``stop_token_ids`` finish with "stop" (the token stays in ``token_ids``; EOS text is a special
 token and is skipped); a stop string finishes with "stop" and cuts the text before it (or after
 it with ``include_stop_str_in_output``); ``max_tokens`` or ``max_model_len`` finish with "length".
+As in vLLM, stop strings are not looked for while the output has fewer than ``min_tokens``
+tokens (EOS and ``stop_token_ids`` cannot occur there: the sampler bans them), so text of those
+first tokens never ends a request.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class OutputProcessor:
         if st.detok is not None:
             delta = st.detok.push([token])
             st.text += delta
-            if st.stop is not None and delta:
+            if st.stop is not None and delta and len(req.output_token_ids) >= p.min_tokens:
                 stopped, cut = st.stop.check(st.text, len(delta))
                 if stopped:
                     full = st.text

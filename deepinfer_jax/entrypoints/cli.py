@@ -18,33 +18,86 @@ DEFAULT_PROMPTS = ["the quick brown fox", "once upon a time there was", "a b c d
                    "hello world , this is a test of the engine"]
 
 
-def parse_ids(text: str) -> list[int]:
+class CLIError(ValueError):
+    """A bad command-line value: printed as ``error: --flag: why`` (exit code 2)."""
+
+    def __init__(self, flag: str, why: str):
+        super().__init__(f"{flag}: {why}")
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """Comma-separated integers (spaces allowed); an empty entry is an error."""
+    parts = text.replace(" ", "").split(",")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        if not all(parts):
+            raise ValueError
+        return [int(t) for t in parts]
     except ValueError:
-        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
-    return ids
+        raise CLIError(flag, f"{text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def parse_ids(text: str) -> list[int]:
+    return parse_int_list("--prompt-ids", text)
+
+
+# SamplingParams fields -> their flags
+_SAMPLING_FLAGS = {"n": "--n", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                   "max_tokens": "--max-tokens", "seed": "--seed", "ignore_eos": "--ignore-eos"}
+
+
+def sampling_params_of(args):
+    """The run's SamplingParams, checked before any model is loaded."""
+    from deepinfer_jax import SamplingParams
+
+    kw = dict(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    sp = SamplingParams(**kw)
+    for field, flag in _SAMPLING_FLAGS.items():  # one field at a time, to name its flag
+        try:
+            SamplingParams(**{field: kw[field]}).validate()
+        except ValueError as e:  # "SamplingParams.top_p=1.5: must be in (0, 1]"
+            raise CLIError(flag, f"{kw[field]!r}: {str(e).split(': ', 1)[-1]}") from None
+    return sp.validate()
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Create the folder of an output file and check it can be written, before the run."""
+    import os
+
+    if os.path.isdir(path):
+        raise CLIError(flag, f"{path!r} is a directory; expected a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise CLIError(flag, f"cannot create the folder {folder!r}: {e.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise CLIError(flag, f"the folder {folder!r} is not writable")
 
 
 def cmd_generate(args) -> int:
-    from deepinfer_jax import LLM, SamplingParams
+    from deepinfer_jax import LLM
 
+    # everything the command line alone decides is checked before loading and compiling
     prompts: list = list(args.prompt or []) + [parse_ids(t) for t in (args.prompt_ids or [])]
     if not prompts:
         prompts = DEFAULT_PROMPTS
+    if args.repeat < 1:
+        raise CLIError("--repeat", f"{args.repeat}: must be >= 1")
     prompts = prompts * args.repeat
+    sp = sampling_params_of(args)
+    if args.stats_json:
+        check_output_path("--stats-json", args.stats_json)
     engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=not args.sync, yoco_truncation=args.yoco_truncation,
                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
                   index_key_dtype=args.index_key_dtype,
                   precompile=not args.no_precompile)
     if args.token_buckets:
-        engine["token_buckets"] = tuple(int(b) for b in args.token_buckets.split(","))
-    if args.max_model_len:
+        engine["token_buckets"] = tuple(parse_int_list("--token-buckets", args.token_buckets))
+    if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
     llm = LLM(args.model, model_seed=args.model_seed, **engine)
-    sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     outs = llm.generate(prompts, sp, use_tqdm=True)
     for o in outs:
         shown = repr(o.prompt) if o.prompt is not None else o.prompt_token_ids

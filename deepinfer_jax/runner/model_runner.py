@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.interrupts import deferred_interrupts
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
@@ -183,8 +184,10 @@ class ModelRunner:
                                prompt_lp=prompt_lp)
         t0 = time.perf_counter()
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
-        # plain GSPMD code is unaffected (the mesh axes are Auto)
-        with jax.set_mesh(self.trace_mesh):
+        # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
+        # cache: a KeyboardInterrupt between the call and the store would leave ``self.cache``
+        # deleted, so SIGINT is held until both are done
+        with jax.set_mesh(self.trace_mesh), deferred_interrupts():
             self.cache, out, plp, self.prev_sampled = self._step(
                 self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
                 num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels)
