@@ -12,7 +12,9 @@ import pytest
 
 from deepinfer_jax.kernels_pallas import ops, sinkhorn_ref
 
-SMALL = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+# step shapes no other test compiles: the compiled steps are shared per process, and these tests
+# count traces
+SMALL = dict(max_num_seqs=3, max_num_batched_tokens=40, max_model_len=128)
 
 
 @pytest.fixture
@@ -104,3 +106,21 @@ def test_moe_kernel_dispatch_on_a_multi_device_host(monkeypatch):
         moe_gmm.moe_experts_op(*args)
     assert any("is not an SM90 GPU" in k for k in ops.fallback_counts())
     assert calls == ["kernel"]
+
+
+def test_fallbacks_show_in_the_engine_stats(monkeypatch):
+    """A kernel that falls back inside the engine's step appears in ``llm.stats`` (summary and
+    its one-line form)."""
+    from deepinfer_jax import LLM, SamplingParams
+
+    def kernel(comb, n, eps):
+        ops.note_fallback("sinkhorn_iterate", "a test reason")
+        return sinkhorn_ref.sinkhorn_iterate_ref(comb, n, eps)
+
+    monkeypatch.setitem(ops._KERNELS, ("sinkhorn_iterate", "cpu"), kernel)
+    monkeypatch.setattr(ops, "_FALLBACKS", type(ops._FALLBACKS)())
+    llm = LLM(progress=False, **dict(SMALL, max_num_batched_tokens=48))
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    s = llm.stats.summary()
+    assert s["kernel_fallbacks"].get("sinkhorn_iterate: a test reason", 0) > 0
+    assert "sinkhorn_iterate: a test reason" in llm.stats.summary_line()

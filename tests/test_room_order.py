@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "deepinfer_jax"
 
 # Rooms from the top down; a room may import the rooms of lower entries (not its siblings).
-# The configuration modules (``config.py``, ``engine_config.py``, ``xla_numerics.py``) sit just
+# The top-level modules (``config.py``, ``engine_config.py``, ``xla_numerics.py``, ``interrupts.py``) sit just
 # above ``base``, the lowest room.
 ORDER = [
     {"entrypoints"},
@@ -24,7 +24,7 @@ ORDER = [
     {"layers"},
     {"kernels_pallas", "kernels_ascend"},
     {"sharding"},
-    {"config", "engine_config", "xla_numerics"},
+    {"config", "engine_config", "xla_numerics", "interrupts"},
     {"base"},
 ]
 LEVEL = {room: i for i, rooms in enumerate(ORDER) for room in rooms}

@@ -285,4 +285,6 @@ class LLMEngine:
                 if on_finish is not None:
                     on_finish(o)
         self.stats.wall_time_s += time.perf_counter() - t0
+        fallbacks = getattr(self.runner, "kernel_fallbacks", None)
+        self.stats.kernel_fallbacks = fallbacks() if fallbacks is not None else {}
         return outs

@@ -4,7 +4,8 @@ Per step: scheduled tokens and the padded bucket, prefill/decode split, rows, st
 to results on the host), host time (scheduling + input building + dispatch), queue wait of the
 requests admitted, prefix-cache hit tokens (those not recomputed: the cached length minus the
 replayed tail), preemptions. ``summary()`` aggregates them with the number of generated tokens
-and the wall time.
+and the wall time, and lists the kernels that fell back to the jnp reference in the steps' traces
+(``kernel_fallbacks``: "op: reason" -> traced calls, from ``kernels_pallas/ops.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class StatsLogger:
         self.prompt_tokens = 0
         self.finished_requests = 0
         self.wall_time_s = 0.0
+        self.kernel_fallbacks: dict[str, int] = {}  # set by the engine from its runner
 
     def record(self, s: StepStats) -> None:
         self.steps.append(s)
@@ -70,6 +72,7 @@ class StatsLogger:
             "step_time_p90_s": pct(times, 0.9),
             "host_time_mean_s": statistics.fmean([s.host_time_s for s in st]) if st else 0.0,
             "queue_wait_mean_s": statistics.fmean(waits) if waits else 0.0,
+            "kernel_fallbacks": dict(self.kernel_fallbacks),
         }
 
     def summary_line(self) -> str:
@@ -78,7 +81,8 @@ class StatsLogger:
                 f"in {s['wall_time_s']:.2f}s: {s['generated_tokens_per_s']:.1f} gen tok/s, "
                 f"{s['total_tokens_per_s']:.1f} tok/s total; {s['steps']} steps "
                 f"(p50 {1e3 * s['step_time_p50_s']:.1f} ms), cache hits {s['cache_hit_tokens']} tok, "
-                f"{s['preemptions']} preemptions")
+                f"{s['preemptions']} preemptions"
+                + (f"; kernels on the reference: {'; '.join(s['kernel_fallbacks'])}" if s["kernel_fallbacks"] else ""))
 
     def to_json(self, path: str) -> None:
         with open(path, "w") as f:

@@ -44,6 +44,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from deepinfer_jax.base import engram_tables
+
 from .checkpoint_spec import TensorSpec, checkpoint_spec, scale_name, weight_name
 from .quant_formats import quantize_fp4, quantize_fp8_block
 from .safetensors_io import tensor_nbytes, write_sharded_lazy
@@ -138,23 +140,9 @@ def random_tensor_values(name: str, spec: TensorSpec, cfg: Any, seed: int,
 
 
 def engram_table_rows(cfg: Any) -> tuple[int, ...]:
-    """Rows of each Engram layer's table (sum of its primes), from ``engram_hash``."""
-    from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
-
-    fn = getattr(eh, "engram_table_rows", None)
-    if fn is not None:
-        return tuple(int(r) for r in fn(cfg))
-    n = len(cfg.engram_layer_ids)
-    primes = eh.engram_primes(n, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)
-    hasher = eh.EngramHasher(
-        token_map=np.zeros(1, dtype=np.int64),
-        pad_id=0,
-        primes=primes,
-        offsets=eh.engram_offsets(primes),
-        multipliers=np.ones((n, cfg.engram_max_ngram_size), dtype=np.int64),
-        max_ngram_size=cfg.engram_max_ngram_size,
-    )
-    return tuple(int(r) for r in hasher.table_rows)
+    """Rows of each Engram layer's table (sum of its primes)."""
+    return engram_tables.engram_table_rows(len(cfg.engram_layer_ids), cfg.engram_max_ngram_size,
+                                           cfg.engram_n_heads, cfg.engram_vocab_size)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -250,18 +238,17 @@ def write_random_model_config(cfg: Any, out_dir: str | os.PathLike, tokenizer: b
     if tokenizer:
         tok_path = write_random_tokenizer(cfg, out_dir)
     if cfg.engram_enabled:
-        from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
-
         if tok_path is not None:
-            _, size = eh.compressed_token_map(tok_path)
+            _, size = engram_tables.compressed_token_map(tok_path)
             changes["engram_compressed_vocab_size"] = int(size)
         changes["engram_num_embeddings"] = engram_table_rows(cfg)
     if changes:
         cfg = cfg.replace(**changes)
     if cfg.engram_enabled and tok_path is not None:
-        from deepinfer_jax.runner import engram_hash as eh  # moves to base/engram_tables with the checkpoint room
-
-        eh.EngramHasher.from_model_config(cfg, tokenizer_path=tok_path)  # raises on mismatch
+        engram_tables.engram_constants(  # raises when the config and the tokenizer disagree
+            tokenizer_path=tok_path, layer_ids=cfg.engram_layer_ids, num_embeddings=cfg.engram_num_embeddings,
+            max_ngram_size=cfg.engram_max_ngram_size, vocab_size=cfg.engram_vocab_size, n_heads=cfg.engram_n_heads,
+            pad_token_id=cfg.engram_pad_token_id, compressed_vocab_size=cfg.engram_compressed_vocab_size)
     cfg.to_json(os.path.join(out_dir, "config.json"))
     return cfg
 

@@ -153,6 +153,11 @@ class ModelRunner:
         self.prev_sampled = jnp.zeros((self.num_rows,), jnp.int32)
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
 
+    def kernel_fallbacks(self) -> dict[str, int]:
+        """Ops whose kernel ran the jnp reference in a trace ("op: reason" -> traced calls; the
+        process's count: compiled steps are shared between runners of equal models)."""
+        return {} if self.kernels == "reference" else ops.fallback_counts()
+
     # ------------------------------------------------------------------ buckets
     def buckets_of(self, sched) -> tuple[int, int, int | None]:
         """(tokens T, rows R, decoder tokens T' or None) of the step's padded shape."""
