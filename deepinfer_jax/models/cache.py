@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,20 +45,49 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{f}={getattr(self, f)!r}: must be >= 1")
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             raise ValueError(f"CacheConfig.index_key_dtype={self.index_key_dtype!r}: expected one of {INDEX_KEY_DTYPES}")
-        for r in set(cfg.compress_ratios):
-            if r and self.block_tokens % r:
-                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: not a multiple of ratio {r}")
-        if cfg.candidate_source_layer_id >= 0:
-            r = cfg.compress_ratios[cfg.candidate_source_layer_id]
-            if (self.block_tokens // r) % cfg.candidate_block_size:
-                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: entries per block "
-                                 f"({self.block_tokens // r}) not a multiple of candidate_block_size "
-                                 f"{cfg.candidate_block_size}")
+        problem = block_tokens_problem(cfg, self.block_tokens)
+        if problem:
+            raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: {problem}")
         return self
 
     @property
     def max_model_len(self) -> int:
         return self.block_tokens * self.max_blocks_per_seq
+
+
+def block_tokens_unit(cfg) -> int:
+    """The smallest block size the caches accept for ``cfg``; every valid ``block_tokens`` is a
+    multiple of it. A block of a ratio-r KV source holds ``block_tokens // r`` whole compressed
+    entries, and the candidate source's entries per block are whole candidate blocks."""
+    unit = 1
+    for r in set(cfg.compress_ratios):
+        if r:
+            unit = math.lcm(unit, r)
+    if cfg.candidate_source_layer_id >= 0:
+        unit = math.lcm(unit, cfg.compress_ratios[cfg.candidate_source_layer_id] * cfg.candidate_block_size)
+    return unit
+
+
+def block_tokens_problem(cfg, block_tokens: int) -> str | None:
+    """Why ``block_tokens`` does not fit ``cfg`` (None when it does), with the nearest sizes that fit."""
+    unit = block_tokens_unit(cfg)
+    if block_tokens % unit == 0:
+        return None
+    lo, hi = block_tokens // unit * unit, -(-block_tokens // unit) * unit
+    nearest = f"{lo} or {hi}" if lo else f"{hi}"
+    why = f"every compress ratio {sorted(set(cfg.compress_ratios) - {0})}"
+    if cfg.candidate_source_layer_id >= 0:
+        r = cfg.compress_ratios[cfg.candidate_source_layer_id]
+        why += f" and ratio {r} x candidate_block_size {cfg.candidate_block_size}"
+    return f"must be a multiple of {unit} ({why} divide a block); nearest that fit: {nearest}"
+
+
+def default_block_tokens(cfg, target: int = 64) -> int:
+    """The multiple of ``block_tokens_unit(cfg)`` nearest ``target`` positions (ties: the smaller;
+    never below one unit): 64 for the released model, 60 with candidate blocks of 5 at ratio 1."""
+    unit = block_tokens_unit(cfg)
+    lo = target // unit * unit
+    return lo if lo and target - lo <= unit // 2 else lo + unit
 
 
 @jax.tree_util.register_dataclass
