@@ -266,6 +266,14 @@ class ModelConfig:
             v = getattr(self, f)
             if self.weight_dtype != "bf16" and v % 32:
                 bad(f, v, "quantized weights need a multiple of 32")
+        if self.head_dim % 32:  # any storage: window KV is fp8-rounded per 32, compressed KV fp4 per 16
+            bad("head_dim", self.head_dim, "must be a multiple of 32 (the KV caches round it in blocks of 32)")
+        if self.weight_dtype != "bf16" and (self.o_groups * self.o_lora_rank) % 32:
+            bad("o_lora_rank", self.o_lora_rank, f"o_groups ({self.o_groups}) x o_lora_rank is wo_b's input: "
+                                                 "quantized weights need a multiple of 32")
+        if self.weight_dtype == "bf16" and self.expert_dtype != "bf16":
+            bad("expert_dtype", self.expert_dtype, "quantized experts need weight_dtype='fp8' (config.json "
+                                                   "states expert storage only in quantization_config)")
         return self
 
     # ------------------------------------------------------------------ JSON

@@ -309,3 +309,17 @@ def test_written_configs_are_complete(cfg, tmp_path):
     assert missing_required_fields(d["text_config"], d) == []
     write_random_model_config(cfg.replace(engram_layer_ids=(), engram_num_embeddings=()), tmp_path, tokenizer=False)
     assert ModelConfig.from_json(tmp_path).num_hidden_layers == cfg.num_hidden_layers
+
+
+# ----------------------------------------------------------------------------- configs that could not run
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(weight_dtype="bf16", expert_dtype="bf16", head_dim=48), "head_dim=48"),     # KV cache rounding
+    (dict(o_groups=1, o_lora_rank=40), "o_lora_rank=40"),                           # fp8 wo_b input 40
+    (dict(weight_dtype="bf16", expert_dtype="fp4"), "expert_dtype='fp4'"),           # not expressible
+])
+def test_configs_that_cannot_run_are_refused(changes, field):
+    """Each was accepted and then failed at load or at the first step (found by test_generality)."""
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+        preset("v41-tiny").replace(**changes)
