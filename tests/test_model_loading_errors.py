@@ -222,3 +222,17 @@ def test_golden_bf16_loads(golden_dir):
     assert model.layers[0].attn.wq_a.weight[...].dtype == np.dtype(ml_dtypes.bfloat16)
     assert model.layers[0].ffn.experts.w1.weight[...].shape == (8, 64, 128)
     assert not hasattr(model.layers[0].attn.wq_a, "scale")
+
+
+def test_single_routed_expert_loads(tmp_path):
+    """One routed expert is still a stack [1, ...] (found by test_generality: its one file tensor
+    was read as the whole parameter and refused for its shape)."""
+    cfg = preset("v41-tiny").replace(n_routed_experts=1, num_experts_per_tok=1, dspark_n_routed_experts=1,
+                                     dspark_num_experts_per_tok=1)
+    write_random_checkpoint(cfg, tmp_path, seed=1, progress=False)
+    model = load_model(tmp_path)
+    r = open_checkpoint_dir(tmp_path)
+    w1 = model.layers[0].ffn.experts.w1
+    assert w1.weight[...].shape == (1, 64, 128 // 2) and w1.scale[...].shape == (1, 64, 128 // 32)
+    np.testing.assert_array_equal(np.asarray(w1.weight[...][0]).view(np.int8),
+                                  np.asarray(r.get("layers.0.ffn.experts.0.w1.weight")))

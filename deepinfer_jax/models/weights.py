@@ -60,7 +60,7 @@ def tensor_reader(reader, name: str, shape, dtype, n_experts: int) -> Callable[[
     for n in names:
         if n not in reader:
             raise ValueError(f"checkpoint is missing tensor {n}")
-    if len(names) == 1:
+    if not _EXPERT.match(name):  # one file tensor (a stack of one expert still goes below)
         arr = reader.get(names[0])
         if tuple(arr.shape) != tuple(shape):
             raise ValueError(f"tensor {names[0]}: shape {tuple(arr.shape)}, model expects {tuple(shape)}")
