@@ -266,16 +266,31 @@ class ModelConfig:
             v = getattr(self, f)
             if self.weight_dtype != "bf16" and v % 32:
                 bad(f, v, "quantized weights need a multiple of 32")
+        if self.head_dim % 32:  # any storage: window KV is fp8-rounded per 32, compressed KV fp4 per 16
+            bad("head_dim", self.head_dim, "must be a multiple of 32 (the KV caches round it in blocks of 32)")
+        if self.weight_dtype != "bf16" and (self.o_groups * self.o_lora_rank) % 32:
+            bad("o_lora_rank", self.o_lora_rank, f"o_groups ({self.o_groups}) x o_lora_rank is wo_b's input: "
+                                                 "quantized weights need a multiple of 32")
+        if self.weight_dtype == "bf16" and self.expert_dtype != "bf16":
+            bad("expert_dtype", self.expert_dtype, "quantized experts need weight_dtype='fp8' (config.json "
+                                                   "states expert storage only in quantization_config)")
         return self
 
     # ------------------------------------------------------------------ JSON
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config") -> "ModelConfig":
         """Build from the released ``config.json`` layout (top level + ``text_config`` +
-        ``quantization_config``); a flat dict of text fields is accepted too."""
+        ``quantization_config``); a flat dict of text fields is accepted too. Every field the
+        released config has is required (``missing_required_fields``); ``source`` names the
+        config in that error (``from_json`` passes the file)."""
         if not isinstance(d, dict):
             raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
         text = dict(d.get("text_config", d))
+        missing = missing_required_fields(text, d)
+        if missing:
+            where = "text_config." if "text_config" in d else ""
+            raise ValueError(f"{source}: missing required field(s) {', '.join(where + m for m in missing)} "
+                             "(the released config.json has them; a default would silently be V4.1-Flash's)")
         kw: dict[str, Any] = {}
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for name in fields:
@@ -287,11 +302,14 @@ class ModelConfig:
         if rs:
             if rs.get("rope_type", rs.get("type", "yarn")) != "yarn":
                 raise ValueError(f"rope_scaling.rope_type={rs.get('rope_type')!r}: only 'yarn' is supported")
-            kw["yarn_factor"] = rs.get("factor", cls.yarn_factor)
-            kw["yarn_beta_fast"] = rs.get("beta_fast", cls.yarn_beta_fast)
-            kw["yarn_beta_slow"] = rs.get("beta_slow", cls.yarn_beta_slow)
-            kw["yarn_original_max_position_embeddings"] = rs.get("original_max_position_embeddings", 0)
-        elif "text_config" in d or "rope_scaling" in text:
+            for key in ("factor", "original_max_position_embeddings"):
+                if key not in rs:
+                    raise ValueError(f"{source}: missing required field rope_scaling.{key} (YaRN needs it)")
+            kw["yarn_factor"] = rs["factor"]
+            kw["yarn_beta_fast"] = rs.get("beta_fast", 32.0)  # Hugging Face's YaRN defaults
+            kw["yarn_beta_slow"] = rs.get("beta_slow", 1.0)
+            kw["yarn_original_max_position_embeddings"] = rs["original_max_position_embeddings"]
+        else:  # rope_scaling null or {}: YaRN off
             kw["yarn_original_max_position_embeddings"] = 0
         if text.get("candidate_source_layer_id", 0) is None:
             kw["candidate_source_layer_id"] = -1
@@ -331,7 +349,7 @@ class ModelConfig:
                 d = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(d, source=path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The released ``config.json`` layout (inverse of ``from_hf_dict``)."""
@@ -355,6 +373,8 @@ class ModelConfig:
                 "beta_slow": self.yarn_beta_slow,
                 "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
             }
+        else:
+            text["rope_scaling"] = None  # written: the field is required (YaRN off is explicit)
         out: dict[str, Any] = {
             "architectures": ["DeepseekV41ForCausalLM"],
             "model_type": "deepseek_v41",
@@ -378,6 +398,38 @@ class ModelConfig:
     def to_json(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(self.to_hf_dict(), f, indent=2)
+
+
+# Fields the reader may default: the storage fields come from ``quantization_config`` and the
+# special-token ids (top level) do not change the model. Every other field of ``ModelConfig``
+# (the ``yarn_*`` ones as ``rope_scaling``) is in the released ``text_config`` and required.
+_OPTIONAL_FIELDS = frozenset({"weight_dtype", "expert_dtype", "weight_block_size", "bos_token_id",
+                              "eos_token_id", "pad_token_id", "image_token_id"})
+
+
+def _inert_fields(text: dict[str, Any]) -> set[str]:
+    """Fields of a feature the config turns off (no Engram layers, no DSpark stages, no candidate
+    source): they change nothing, so a config may leave them out."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    inert: set[str] = set()
+    if text.get("engram_layer_ids") == []:
+        inert |= {n for n in names if n.startswith("engram_")} - {"engram_layer_ids"}
+    if text.get("num_nextn_predict_layers") == 0:
+        inert |= {n for n in names if n.startswith("dspark_")}
+    elif text.get("dspark_block_size") == 0:
+        inert |= {n for n in names if n.startswith("dspark_")} - {"dspark_block_size"}
+    if text.get("candidate_source_layer_id", 0) in (None, -1):
+        inert |= {"candidate_topk_blocks", "candidate_block_size"}
+    return inert
+
+
+def missing_required_fields(text: dict[str, Any], top: dict[str, Any]) -> list[str]:
+    """The required fields neither ``text`` (``text_config``) nor ``top`` (top level) has."""
+    need = [f.name for f in dataclasses.fields(ModelConfig)
+            if f.name not in _OPTIONAL_FIELDS and not f.name.startswith("yarn_")]
+    need.append("rope_scaling")
+    inert = _inert_fields(text)
+    return [n for n in need if n not in inert and n not in text and n not in top]
 
 
 def _flash() -> ModelConfig:

@@ -1,8 +1,8 @@
 """``EngineConfig``: every knob of the offline engine (scheduler, caches, runner), validated.
 
 Fields follow vLLM's names where one exists. ``resolve(model_cfg)`` fills the model-dependent
-defaults (``max_model_len``, ``num_blocks``, ``prefix_replay_tokens``, token buckets) and checks
-the combination; errors name the field and the value.
+defaults (``block_tokens``, ``max_model_len``, ``num_blocks``, ``prefix_replay_tokens``, token
+buckets) and checks the combination; errors name the field and the value.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 256      # token budget of one step (prefill chunks + decode)
     max_model_len: int | None = None       # default: min(max_position_embeddings, 4096)
     # --- caches ---
-    block_tokens: int = 64                 # positions per paged block (multiple of every ratio)
+    # positions per paged block; default (None): the size nearest 64 that the model's compress
+    # ratios and candidate blocks divide (models/cache.py: default_block_tokens)
+    block_tokens: int | None = None
     num_blocks: int | None = None          # default: max_num_seqs full-length sequences
     enable_prefix_caching: bool = True
     index_key_dtype: str = "bf16"          # index-key cache: "bf16" or "fp8" (same results, 52% of the bytes)
@@ -109,7 +111,7 @@ class EngineConfig:
         """Defaults that depend on the model (and the platform: ``jax.default_backend()``), then
         the checks. Returns a new config."""
         self._check_types(cfg)
-        for f in ("max_num_seqs", "max_num_batched_tokens", "block_tokens", "dp", "cp"):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "dp", "cp"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 self._bad(f, "must be an integer >= 1")
@@ -129,18 +131,19 @@ class EngineConfig:
         if self.yoco_truncation != "off" and self.yoco_keep_tokens < W + self.max_backtracking_tokens:
             self._bad("yoco_keep_tokens", f"must be >= sliding_window ({W}) + max_backtracking_tokens "
                                           f"({self.max_backtracking_tokens}) = {W + self.max_backtracking_tokens}")
+        bt = self._resolve_block_tokens(cfg)
         max_len = self.max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_len < 2 or max_len > cfg.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_model_len={max_len}: must be in "
                              f"[2, max_position_embeddings={cfg.max_position_embeddings}]")
-        max_len = -(-max_len // self.block_tokens) * self.block_tokens if self.max_model_len is None else max_len
+        max_len = -(-max_len // bt) * bt if self.max_model_len is None else max_len
         max_len = min(max_len, cfg.max_position_embeddings)
-        blocks_per_seq = -(-max_len // self.block_tokens)
+        blocks_per_seq = -(-max_len // bt)
         num_blocks = self.num_blocks if self.num_blocks is not None else self.max_num_seqs * blocks_per_seq
         if num_blocks < blocks_per_seq:
             raise ValueError(f"EngineConfig.num_blocks={num_blocks}: fewer than one max_model_len sequence "
-                             f"needs ({blocks_per_seq} blocks of {self.block_tokens} tokens)")
-        replay, caching = self._replay_tokens(cfg, max_len)
+                             f"needs ({blocks_per_seq} blocks of {bt} tokens)")
+        replay, caching = self._replay_tokens(cfg, max_len, bt)
         buckets = self.token_buckets
         if buckets is None and platform == "cpu":
             buckets = (self.max_num_batched_tokens,)
@@ -164,11 +167,12 @@ class EngineConfig:
         dec = tuple(sorted(set(int(b) for b in (self.decoder_buckets or buckets))))
         if dec[0] < 1:
             self._bad("decoder_buckets", "sizes must be >= 1")
-        return dataclasses.replace(self, max_model_len=max_len, num_blocks=num_blocks, enable_prefix_caching=caching,
+        return dataclasses.replace(self, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
+                                   enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec)
 
-    def _replay_tokens(self, cfg, max_len: int) -> tuple[int, bool]:
+    def _replay_tokens(self, cfg, max_len: int, bt: int) -> tuple[int, bool]:
         """(the resolved replay tail, whether prefix caching stays on). A setting the user gave
         under which no prefix hit can save work is an error; when only the defaults lead there
         (a short max_model_len), prefix caching is turned off instead, with a log line."""
@@ -187,7 +191,6 @@ class EngineConfig:
             replay = self.yoco_keep_tokens
         # the longest hit: full blocks of max_len-1 known tokens less the last one (never a hit);
         # the replay starts at (hit - replay) rounded down to a block
-        bt = self.block_tokens
         longest = (max_len - 2) // bt * bt
         if self.enable_prefix_caching and (longest - replay) // bt < 1:
             if defaulted:
@@ -204,6 +207,19 @@ class EngineConfig:
                 f"{max_len}, block_tokens={bt}), so prefix caching saves no work; use prefix_replay='bounded' "
                 "with a shorter prefix_replay_tokens, or enable_prefix_caching=False")
         return replay, self.enable_prefix_caching
+
+    def _resolve_block_tokens(self, cfg) -> int:
+        """The given block size, checked against the model, or the model's default."""
+        from deepinfer_jax.base.block_size import block_tokens_problem, default_block_tokens
+
+        if self.block_tokens is None:
+            return default_block_tokens(cfg)
+        if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+            self._bad("block_tokens", "must be an integer >= 1 (or None: derived from the model)")
+        problem = block_tokens_problem(cfg, self.block_tokens)
+        if problem:
+            self._bad("block_tokens", problem)
+        return self.block_tokens
 
     @property
     def blocks_per_seq(self) -> int:

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from deepinfer_jax.kernels_pallas import ops
-    from deepinfer_jax.models.cache import CacheConfig, allocate_cache
+    from deepinfer_jax.models.cache import CacheConfig, allocate_cache, default_block_tokens
     from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.base.forward_batch import RowSpec, build_batch
     from deepinfer_jax.models.random_checkpoint import write_random_model_config
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     tok = os.path.join(model_dir, "tokenizer.json")
     hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None) if cfg.engram_enabled else None
 
-    bt = 64
+    bt = default_block_tokens(cfg)
     R = max(args.decode_requests, 1)
     per_seq = -(-max(args.context, args.prefill_tokens) // bt)
     cc = CacheConfig(num_slots=R, num_blocks=R * per_seq, block_tokens=bt, max_blocks_per_seq=per_seq)

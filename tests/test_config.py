@@ -250,3 +250,76 @@ def test_missing_file(tmp_path):
 def test_wrong_type_field(gd):
     _tc(gd)["num_hidden_layers"] = "6"
     _raises(gd, "num_hidden_layers", "'6'")
+
+
+# ----------------------------------------------------------------------------- required fields
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "index_topk", "rope_scaling", "max_position_embeddings",
+                                   "vocab_size", "compress_ratios", "hc_sinkhorn_iters", "engram_n_heads"])
+def test_missing_required_field_names_field_and_file(gd, tmp_path, field):
+    """No silent V4.1-Flash default for a field the released config always has."""
+    del _tc(gd)[field]
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(gd))
+    with pytest.raises(ValueError) as ei:
+        ModelConfig.from_json(tmp_path)
+    msg = str(ei.value)
+    assert f"text_config.{field}" in msg and str(p) in msg and "missing" in msg, msg
+
+
+def test_missing_fields_are_all_listed(gd):
+    del _tc(gd)["sliding_window"], _tc(gd)["index_topk"]
+    _raises(gd, "text_config.sliding_window, text_config.index_topk")
+
+
+@pytest.mark.parametrize("key", ["factor", "original_max_position_embeddings"])
+def test_rope_scaling_needs_factor_and_original_length(gd, key):
+    del _tc(gd)["rope_scaling"][key]
+    _raises(gd, f"rope_scaling.{key}")
+
+
+def test_rope_scaling_null_turns_yarn_off(gd):
+    _tc(gd)["rope_scaling"] = None
+    assert ModelConfig.from_hf_dict(gd).yarn_original_max_position_embeddings == 0
+
+
+def test_fields_of_features_turned_off_may_be_omitted(gd):
+    tc = _tc(gd)
+    tc["engram_layer_ids"] = []
+    tc["candidate_source_layer_id"] = None
+    for k in [k for k in tc if k.startswith("engram_") and k != "engram_layer_ids"]:
+        del tc[k]
+    del tc["candidate_block_size"], tc["candidate_topk_blocks"]
+    cfg = ModelConfig.from_hf_dict(gd)
+    assert not cfg.engram_enabled and cfg.candidate_source_layer_id == -1
+    del gd["bos_token_id"], gd["image_token_id"]   # top-level token ids: not part of the model
+    assert ModelConfig.from_hf_dict(gd).bos_token_id == ModelConfig.bos_token_id
+
+
+@pytest.mark.parametrize("cfg", [preset("v41-flash"), preset("v41-tiny"),
+                                 preset("v41-tiny").replace(yarn_original_max_position_embeddings=0)],
+                         ids=["flash", "tiny", "no_yarn"])
+def test_written_configs_are_complete(cfg, tmp_path):
+    """Every writer goes through to_hf_dict: it writes every required field."""
+    from deepinfer_jax.config import missing_required_fields
+    from deepinfer_jax.models.random_checkpoint import write_random_model_config
+
+    d = cfg.to_hf_dict()
+    assert missing_required_fields(d["text_config"], d) == []
+    write_random_model_config(cfg.replace(engram_layer_ids=(), engram_num_embeddings=()), tmp_path, tokenizer=False)
+    assert ModelConfig.from_json(tmp_path).num_hidden_layers == cfg.num_hidden_layers
+
+
+# ----------------------------------------------------------------------------- configs that could not run
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(weight_dtype="bf16", expert_dtype="bf16", head_dim=48), "head_dim=48"),     # KV cache rounding
+    (dict(o_groups=1, o_lora_rank=40), "o_lora_rank=40"),                           # fp8 wo_b input 40
+    (dict(weight_dtype="bf16", expert_dtype="fp4"), "expert_dtype='fp4'"),           # not expressible
+])
+def test_configs_that_cannot_run_are_refused(changes, field):
+    """Each was accepted and then failed at load or at the first step (found by test_generality)."""
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+        preset("v41-tiny").replace(**changes)

@@ -147,6 +147,51 @@ def test_several_problems_are_all_listed(good_dir, tmp_path):
     assert a in msg and b in msg, msg
 
 
+# ----------------------------------------------------------------------------- non-finite weights
+
+
+def _set_bits(t, name, flat_index, value, view):
+    a = np.array(t[name])
+    a.reshape(-1).view(view)[flat_index] = value
+    t[name] = a
+
+
+@pytest.mark.parametrize("name, index, value, view", [
+    ("embed.weight", 1234, 0x7FC0, np.uint16),                   # bf16 NaN in the embedding
+    ("embed.weight", 7, 0xFF80, np.uint16),                      # bf16 -Inf
+    ("layers.0.attn.attn_sink", 1, 0x7F800000, np.uint32),       # f32 +Inf
+    ("layers.2.attn.wq_a.scale", 3, 0xFF, np.uint8),             # ue8m0 0xFF is NaN
+    ("layers.1.ffn.experts.6.w2.scale", 0, 0xFF, np.uint8),      # an expert's scale (stacked on load)
+    ("layers.3.attn.wkv.weight", 10, 0x7F, np.uint8),            # fp8 e4m3fn NaN
+    ("mtp.1.markov_head.embed.weight", 5, 0x7FC0, np.uint16),    # DSpark Markov head
+])
+def test_non_finite_weight_is_refused(good_dir, tmp_path, name, index, value, view):
+    msg = load_error(rewrite(good_dir, tmp_path / "c", lambda t, d: _set_bits(t, name, index, value, view)))
+    assert f"tensor {name} " in msg and "non-finite" in msg, msg
+
+
+def test_largest_finite_values_load(good_dir, tmp_path):
+    """Not over-eager: the largest finite bf16 / fp8 / ue8m0 (0xFE) values load."""
+    def extremes(t, d):
+        _set_bits(t, "embed.weight", 0, 0x7F7F, np.uint16)               # bf16 max
+        _set_bits(t, "layers.3.attn.wkv.weight", 0, 0x7E, np.uint8)      # e4m3fn 448
+        _set_bits(t, "layers.2.attn.wq_a.scale", 0, 0xFE, np.uint8)      # 2^127
+    load_model(rewrite(good_dir, tmp_path / "c", extremes))
+
+
+def test_nonfinite_counts_across_chunks(monkeypatch):
+    from deepinfer_jax.models import finite_check
+
+    monkeypatch.setattr(finite_check, "CHUNK", 8)
+    a = np.zeros((5, 7), ml_dtypes.bfloat16)
+    assert finite_check.nonfinite(a, "BF16") == (0, -1)
+    a[3, 2], a[4, 6] = np.inf, np.nan
+    assert finite_check.nonfinite(a, "BF16") == (2, 23)
+    with pytest.raises(ValueError, match=r"tensor w \(BF16 \[5, 7\]\): 2 non-finite.*index \(3, 2\)"):
+        finite_check.check_finite("w", a, "BF16")
+    assert finite_check.nonfinite(np.full(9, -1, np.int8), "I8") == (0, -1)  # fp4 codes: no NaN
+
+
 # ----------------------------------------------------------------------------- quantized stays quantized
 
 
@@ -177,3 +222,17 @@ def test_golden_bf16_loads(golden_dir):
     assert model.layers[0].attn.wq_a.weight[...].dtype == np.dtype(ml_dtypes.bfloat16)
     assert model.layers[0].ffn.experts.w1.weight[...].shape == (8, 64, 128)
     assert not hasattr(model.layers[0].attn.wq_a, "scale")
+
+
+def test_single_routed_expert_loads(tmp_path):
+    """One routed expert is still a stack [1, ...] (found by test_generality: its one file tensor
+    was read as the whole parameter and refused for its shape)."""
+    cfg = preset("v41-tiny").replace(n_routed_experts=1, num_experts_per_tok=1, dspark_n_routed_experts=1,
+                                     dspark_num_experts_per_tok=1)
+    write_random_checkpoint(cfg, tmp_path, seed=1, progress=False)
+    model = load_model(tmp_path)
+    r = open_checkpoint_dir(tmp_path)
+    w1 = model.layers[0].ffn.experts.w1
+    assert w1.weight[...].shape == (1, 64, 128 // 2) and w1.scale[...].shape == (1, 64, 128 // 32)
+    np.testing.assert_array_equal(np.asarray(w1.weight[...][0]).view(np.int8),
+                                  np.asarray(r.get("layers.0.ffn.experts.0.w1.weight")))

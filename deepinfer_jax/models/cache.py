@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.base import quant
+from deepinfer_jax.base.block_size import block_tokens_problem, block_tokens_unit, default_block_tokens  # noqa: F401
 
 
 INDEX_KEY_DTYPES = quant.INDEX_KEY_DTYPES
@@ -44,15 +45,9 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{f}={getattr(self, f)!r}: must be >= 1")
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             raise ValueError(f"CacheConfig.index_key_dtype={self.index_key_dtype!r}: expected one of {INDEX_KEY_DTYPES}")
-        for r in set(cfg.compress_ratios):
-            if r and self.block_tokens % r:
-                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: not a multiple of ratio {r}")
-        if cfg.candidate_source_layer_id >= 0:
-            r = cfg.compress_ratios[cfg.candidate_source_layer_id]
-            if (self.block_tokens // r) % cfg.candidate_block_size:
-                raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: entries per block "
-                                 f"({self.block_tokens // r}) not a multiple of candidate_block_size "
-                                 f"{cfg.candidate_block_size}")
+        problem = block_tokens_problem(cfg, self.block_tokens)
+        if problem:
+            raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: {problem}")
         return self
 
     @property

@@ -4,6 +4,7 @@ tensor names) into ``DeepseekV41ForCausalLM``, keeping quantized weights quantiz
 A parameter's NNX path joined by dots is its tensor name, except stacked routed experts:
 ``layers.N.ffn.experts.w1.weight [E, ...]`` <- ``layers.N.ffn.experts.{e}.w1.weight``. fp4
 experts are stored as I8 in the file and held as uint8 (same bytes); ue8m0 scales as uint8.
+A tensor with a NaN or Inf (ue8m0 0xFF included) is refused, naming it (``finite_check``).
 With a ``mesh``, every array is built shard by shard from the memory-mapped file
 (``jax.make_array_from_callback``), so no device ever holds a full copy of a sharded weight.
 """
@@ -21,6 +22,7 @@ from flax import nnx
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer_jax.models.finite_check import check_finite
 
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(w[123]\.(?:weight|scale))$")
 
@@ -58,16 +60,18 @@ def tensor_reader(reader, name: str, shape, dtype, n_experts: int) -> Callable[[
     for n in names:
         if n not in reader:
             raise ValueError(f"checkpoint is missing tensor {n}")
-    if len(names) == 1:
+    if not _EXPERT.match(name):  # one file tensor (a stack of one expert still goes below)
         arr = reader.get(names[0])
         if tuple(arr.shape) != tuple(shape):
             raise ValueError(f"tensor {names[0]}: shape {tuple(arr.shape)}, model expects {tuple(shape)}")
+        check_finite(names[0], arr, reader.spec(names[0])[0])
         arr = _as_param_dtype(arr, dtype, names[0])
         return lambda idx: np.asarray(arr[idx])
     parts = [_as_param_dtype(reader.get(n), dtype, n) for n in names]
     for n, p in zip(names, parts):
         if tuple(p.shape) != tuple(shape[1:]):
             raise ValueError(f"tensor {n}: shape {tuple(p.shape)}, model expects {tuple(shape[1:])}")
+        check_finite(n, p, reader.spec(n)[0])
 
     def read(idx):
         idx = tuple(idx) + (slice(None),) * (len(shape) - len(tuple(idx)))
