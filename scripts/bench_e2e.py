@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.models.cache import CacheConfig, allocate_cache, default_block_tokens
     from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.base.forward_batch import RowSpec, build_batch
-    from deepinfer_jax.models.random_checkpoint import write_random_model_config
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_model_config
     from deepinfer_jax.models.weights import load_model
 
     t0 = time.perf_counter()

@@ -42,7 +42,7 @@ from deepinfer_jax.config import preset
 from deepinfer_jax.models.cache import CacheConfig
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.sequence_driver import SequenceDriver
-from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 from deepinfer_jax.models.weights import load_model
 
 CC = CacheConfig(num_slots=4, num_blocks=32, block_tokens=32, max_blocks_per_seq=4)  # max_model_len 128

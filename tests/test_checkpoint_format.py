@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.config import ModelConfig, preset
-from deepinfer_jax.models.checkpoint_check import check_checkpoint, checkpoint_problems
-from deepinfer_jax.models.checkpoint_spec import (
+from deepinfer_jax.checkpoint.check import check_checkpoint, checkpoint_problems
+from deepinfer_jax.checkpoint.spec import (
     KINDS,
     MANIFEST_DTYPES,
     TensorSpec,
     checkpoint_spec,
     scale_name,
 )
-from deepinfer_jax.models.quant_formats import (
+from deepinfer_jax.checkpoint.quant_formats import (
     dequantize_fp4,
     dequantize_fp8_block,
     e8m0_to_float,
@@ -33,8 +33,8 @@ from deepinfer_jax.models.quant_formats import (
     quantize_fp8_block,
     unpack_fp4_codes,
 )
-from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
-from deepinfer_jax.models.safetensors_io import (
+from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
+from deepinfer_jax.checkpoint.safetensors_io import (
     INDEX_FILE,
     SafetensorsFile,
     open_checkpoint_dir,

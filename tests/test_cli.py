@@ -46,7 +46,7 @@ def test_stats_json_folder_checked_up_front(tmp_path, capsys):
 
 
 def test_convert_takes_a_preset_name(tmp_path, monkeypatch, capsys):
-    from deepinfer_jax.models.orbax_io import is_orbax_dir
+    from deepinfer_jax.checkpoint.orbax_io import is_orbax_dir
 
     monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "orbax"

@@ -303,7 +303,7 @@ def test_fields_of_features_turned_off_may_be_omitted(gd):
 def test_written_configs_are_complete(cfg, tmp_path):
     """Every writer goes through to_hf_dict: it writes every required field."""
     from deepinfer_jax.config import missing_required_fields
-    from deepinfer_jax.models.random_checkpoint import write_random_model_config
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_model_config
 
     d = cfg.to_hf_dict()
     assert missing_required_fields(d["text_config"], d) == []

@@ -20,7 +20,7 @@ BASE = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(64,), max
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 
     d = tmp_path_factory.mktemp("tiny")
     write_random_checkpoint(preset("v41-tiny"), d, seed=3, progress=False)

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from deepinfer_jax.models.random_checkpoint import write_random_tokenizer
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_tokenizer
     from deepinfer_jax.tokenizer.loader import load_tokenizer
 
     d = tmp_path_factory.mktemp("tok")

@@ -39,7 +39,7 @@ def tokens(outs):
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 
     d = tmp_path_factory.mktemp("tiny")
     write_random_checkpoint(preset("v41-tiny"), d, seed=3, progress=False)

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from deepinfer_jax.config import preset
-from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
-from deepinfer_jax.models.safetensors_io import INDEX_FILE, open_checkpoint_dir, write_safetensors
+from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
+from deepinfer_jax.checkpoint.safetensors_io import INDEX_FILE, open_checkpoint_dir, write_safetensors
 from deepinfer_jax.models.weights import load_model
 
 
@@ -180,7 +180,7 @@ def test_largest_finite_values_load(good_dir, tmp_path):
 
 
 def test_nonfinite_counts_across_chunks(monkeypatch):
-    from deepinfer_jax.models import finite_check
+    from deepinfer_jax.checkpoint import finite_check
 
     monkeypatch.setattr(finite_check, "CHUNK", 8)
     a = np.zeros((5, 7), ml_dtypes.bfloat16)

@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
     from deepinfer_jax.kernels_pallas import moe_ep, moe_gmm_ref
-    from deepinfer_jax.models import quant_formats as qf
+    from deepinfer_jax.checkpoint import quant_formats as qf
 
     mesh = make_mesh(ParallelConfig(dp=2, cp=2))
     for E, fmt in ((8, "bf16"), (8, "fp8"), (6, "bf16"), (7, "bf16")):

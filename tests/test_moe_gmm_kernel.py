@@ -28,7 +28,7 @@ import pytest
 
 from deepinfer_jax.kernels_pallas import moe_gmm, moe_gmm_ref, ops, tiling
 from deepinfer_jax.base import quant
-from deepinfer_jax.models import quant_formats as qf
+from deepinfer_jax.checkpoint import quant_formats as qf
 
 MODES = [
     pytest.param(True, id="interpret"),

@@ -13,7 +13,7 @@ from flax import nnx
 from deepinfer_jax.config import ModelConfig, preset
 from deepinfer_jax.models.cache import CacheConfig
 from deepinfer_jax.runner.sequence_driver import SequenceDriver
-from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 
 # same step shapes as tests/test_sharding.py, so one session compiles the step once
 CACHE = CacheConfig(num_slots=2, num_blocks=8, block_tokens=32, max_blocks_per_seq=4)
@@ -44,7 +44,8 @@ def _prefill(model):
 
 
 def test_convert_roundtrip(tmp_path):
-    from deepinfer_jax.models.orbax_io import is_orbax_dir, load_orbax, save_orbax
+    from deepinfer_jax.checkpoint.orbax_io import is_orbax_dir, save_orbax
+    from deepinfer_jax.models.weights import load_orbax
     from deepinfer_jax.models.weights import load_model
 
     src, dst = tmp_path / "st", tmp_path / "orbax"

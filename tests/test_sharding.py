@@ -131,7 +131,7 @@ _MESH_SCRIPT = textwrap.dedent(r"""
 
     # an Orbax copy saved from the sharded model restores straight into the same shardings
     if {orbax!r}:
-        from deepinfer_jax.models.orbax_io import save_orbax
+        from deepinfer_jax.checkpoint.orbax_io import save_orbax
         save_orbax(model, {orbax!r}, src_dir={ckpt!r})
         m2 = W.load_model({orbax!r}, mesh=mesh)   # the Orbax branch of load_model
         for p, v in nnx.to_flat_state(nnx.state(m2)):
@@ -156,7 +156,7 @@ def _subprocess_env() -> dict:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     from deepinfer_jax.config import preset
-    from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 
     d = tmp_path_factory.mktemp("v41_tiny_sharding")
     write_random_checkpoint(preset("v41-tiny"), d, seed=SEED, progress=False)

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from deepinfer_jax.config import preset
-from deepinfer_jax.models.random_checkpoint import write_random_tokenizer
+from deepinfer_jax.checkpoint.random_checkpoint import write_random_tokenizer
 from deepinfer_jax.tokenizer import IncrementalDetokenizer, StopChecker, TokenizerInfo, load_tokenizer
 
 CORPUS = [
@@ -82,7 +82,7 @@ def meta_dir(tmp_path_factory):
 def test_no_jax_imported():
     # in a fresh interpreter: other test modules of the suite may have imported JAX already
     code = ("import sys, deepinfer_jax.tokenizer, deepinfer_jax.config, "
-            "deepinfer_jax.models.random_checkpoint; "
+            "deepinfer_jax.checkpoint.random_checkpoint; "
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

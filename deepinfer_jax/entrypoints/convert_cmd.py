@@ -1,5 +1,5 @@
 """``deepinfer-jax convert --model SRC --out DST``: safetensors model directory -> Orbax model
-directory (``models/orbax_io.py``). ``SRC`` may be a preset name, resolved as ``generate`` does
+directory (``checkpoint/orbax_io.py``). ``SRC`` may be a preset name, resolved as ``generate`` does
 (its random-weight checkpoint, ``models/registry.py``). ``--dp/--cp`` spread the weights over a
 device mesh while converting (for models larger than one device)."""
 
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from deepinfer_jax.models.orbax_io import convert
+    from deepinfer_jax.models.convert import convert
     from deepinfer_jax.models.registry import resolve_model
 
     src = resolve_model(args.model, seed=getattr(args, "model_seed", 0), progress=getattr(args, "progress", True))

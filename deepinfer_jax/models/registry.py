@@ -29,7 +29,7 @@ def resolve_model(model: str, seed: int = 0, progress: bool = True) -> str:
         raise ValueError(f"model={model!r}: not a directory and not a preset (presets: {sorted(PRESETS)})")
     out = cache_root() / f"{model}-random-seed{seed}"
     if not (out / "config.json").exists():
-        from deepinfer_jax.models.random_checkpoint import write_random_checkpoint
+        from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 
         print(f"writing a random-weight {model} checkpoint to {out} (first use)", file=sys.stderr)
         tmp = out.with_name(out.name + f".partial{os.getpid()}")

@@ -22,7 +22,7 @@ from flax import nnx
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek_v41 import DeepseekV41ForCausalLM
-from deepinfer_jax.models.finite_check import check_finite
+from deepinfer_jax.checkpoint.finite_check import check_finite
 
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(w[123]\.(?:weight|scale))$")
 
@@ -85,8 +85,8 @@ def tensor_reader(reader, name: str, shape, dtype, n_experts: int) -> Callable[[
 def load_state(cfg: ModelConfig, model_dir: str | os.PathLike, shardings=None, progress: bool = False):
     """Read every parameter of ``cfg``'s model from ``model_dir`` into an NNX state.
     ``shardings``: optional pytree of ``jax.sharding.Sharding`` matching the state."""
-    from deepinfer_jax.models.checkpoint_check import check_checkpoint
-    from deepinfer_jax.models.safetensors_io import open_checkpoint_dir
+    from deepinfer_jax.checkpoint.check import check_checkpoint
+    from deepinfer_jax.checkpoint.safetensors_io import open_checkpoint_dir
 
     reader = open_checkpoint_dir(model_dir)
     check_checkpoint(cfg, reader)
@@ -117,10 +117,10 @@ def load_state(cfg: ModelConfig, model_dir: str | os.PathLike, shardings=None, p
 def load_model(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None,
                progress: bool = False) -> DeepseekV41ForCausalLM:
     """Build the model from a model directory (``config.json`` + safetensors, or an Orbax
-    directory with ``params/``, see ``orbax_io``)."""
-    if os.path.isdir(os.path.join(model_dir, "params")):
-        from deepinfer_jax.models.orbax_io import load_orbax
+    directory with ``params/``, see ``checkpoint/orbax_io.py``)."""
+    from deepinfer_jax.checkpoint.orbax_io import is_orbax_dir
 
+    if is_orbax_dir(model_dir):
         return load_orbax(model_dir, mesh=mesh, cfg=cfg)
     cfg = cfg or ModelConfig.from_json(model_dir)
     shardings = None
@@ -129,4 +129,20 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mes
 
         shardings = state_shardings(abstract_model(cfg)[1], mesh)
     graphdef, state = load_state(cfg, model_dir, shardings, progress)
+    return nnx.merge(graphdef, state)
+
+
+def load_orbax_state(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None):
+    """``(graphdef, state)`` of the model in an Orbax model directory (``checkpoint/orbax_io.py``):
+    the model's structure from ``config.json``, the arrays from ``params/``."""
+    from deepinfer_jax.checkpoint.orbax_io import restore_orbax_state
+
+    cfg = cfg or ModelConfig.from_json(model_dir)
+    graphdef, abstract = abstract_model(cfg)
+    return graphdef, restore_orbax_state(model_dir, abstract, mesh)
+
+
+def load_orbax(model_dir: str | os.PathLike, mesh=None, cfg: ModelConfig | None = None):
+    """Build ``DeepseekV41ForCausalLM`` from an Orbax model directory (see ``load_orbax_state``)."""
+    graphdef, state = load_orbax_state(model_dir, cfg, mesh)
     return nnx.merge(graphdef, state)

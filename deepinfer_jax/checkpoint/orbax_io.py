@@ -14,8 +14,11 @@ depend on how a Flax version flattens Variables; the structure comes from the mo
 ``config.json``. Storage dtypes are kept bit for bit (float8_e4m3fn weights, uint8 fp4 codes
 and ue8m0 scales, bf16, f32).
 
-Loading restores straight into the target shardings (``sharding/partition.state_shardings``)
-when a mesh is given: every device reads only its own shards.
+Restoring takes the model's abstract state (``models/weights.py`` builds it from
+``config.json``) and fills it, straight into the target shardings
+(``sharding/partition.state_shardings``) when a mesh is given: every device reads only its own
+shards. ``models/weights.load_model`` reads these directories; ``models/convert.py`` writes them
+from a safetensors directory.
 """
 
 from __future__ import annotations
@@ -129,20 +132,16 @@ def _check_saved(ckpt, params: str, flat) -> None:
         raise ValueError(f"{params} does not match the model of config.json: " + ", ".join(parts))
 
 
-def load_orbax_state(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, mesh=None):
-    """``(graphdef, state)`` of the model in an Orbax model directory. With ``mesh``, every
+def restore_orbax_state(model_dir: str | os.PathLike, abstract, mesh=None):
+    """The abstract NNX ``state`` filled from an Orbax model directory. With ``mesh``, every
     array is restored straight into its ``state_shardings`` sharding (each device reads only its
-    shards); without, arrays are read to host and placed like ``weights.load_model`` places them
+    shards); without, arrays are read to host and placed like the safetensors loader places them
     (uncommitted, on the default device), so both loaders give interchangeable states."""
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from deepinfer_jax.models.weights import abstract_model
-
     model_dir = os.path.abspath(os.fspath(model_dir))
-    cfg = cfg or ModelConfig.from_json(model_dir)
-    graphdef, abstract = abstract_model(cfg)
     flat = list(nnx.to_flat_state(abstract))
     if mesh is not None:
         from deepinfer_jax.sharding.partition import flat_shardings, state_shardings
@@ -170,28 +169,4 @@ def load_orbax_state(model_dir: str | os.PathLike, cfg: ModelConfig | None = Non
             raise ValueError(f"parameter {name}: checkpoint has {arr.dtype}{tuple(arr.shape)}, "
                              f"model expects {var.dtype}{tuple(var.shape)}")
         values.append((path, var.replace(arr if mesh is not None else jnp.asarray(arr))))
-    return graphdef, nnx.from_flat_state(values)
-
-
-def load_orbax(model_dir: str | os.PathLike, mesh=None, cfg: ModelConfig | None = None):
-    """Build ``DeepseekV41ForCausalLM`` from an Orbax model directory (see ``load_orbax_state``)."""
-    graphdef, state = load_orbax_state(model_dir, cfg, mesh)
-    return nnx.merge(graphdef, state)
-
-
-def convert(src_model_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True,
-            mesh=None, force: bool = False) -> str:
-    """Safetensors model directory -> Orbax model directory. The weights pass through the
-    devices: on one device by default, or spread over ``mesh`` (each device reads and writes
-    only its shards) for models larger than one device. ``JAX_PLATFORMS=cpu`` converts in host
-    memory."""
-    from deepinfer_jax.models.weights import load_model
-
-    src_model_dir = os.fspath(src_model_dir)
-    if is_orbax_dir(src_model_dir):
-        raise ValueError(f"{src_model_dir} is already an Orbax model directory")
-    cfg = ModelConfig.from_json(src_model_dir)
-    model = load_model(src_model_dir, cfg=cfg, mesh=mesh, progress=progress)
-    if progress:
-        print(f"writing {os.path.join(os.fspath(out_dir), PARAMS_DIR)} ...", flush=True)
-    return save_orbax(model, out_dir, cfg, src_dir=src_model_dir, force=force)
+    return nnx.from_flat_state(values)

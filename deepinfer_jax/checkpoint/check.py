@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .checkpoint_spec import checkpoint_spec
+from deepinfer_jax.checkpoint.spec import checkpoint_spec
 
 __all__ = ["check_checkpoint", "checkpoint_problems"]
 
@@ -51,7 +51,7 @@ def check_checkpoint(cfg: Any, reader: Any) -> None:
     """Raise ``ValueError`` listing (the first few of) all problems: missing tensors, unexpected
     tensors, wrong shapes, wrong dtypes. ``reader`` may also be a checkpoint directory path."""
     if isinstance(reader, (str, os.PathLike)):
-        from .safetensors_io import open_checkpoint_dir
+        from deepinfer_jax.checkpoint.safetensors_io import open_checkpoint_dir
 
         reader = open_checkpoint_dir(reader)
     problems = checkpoint_problems(cfg, reader)

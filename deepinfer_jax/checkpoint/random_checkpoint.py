@@ -46,9 +46,9 @@ import numpy as np
 
 from deepinfer_jax.base import engram_tables
 
-from .checkpoint_spec import TensorSpec, checkpoint_spec, scale_name, weight_name
-from .quant_formats import quantize_fp4, quantize_fp8_block
-from .safetensors_io import tensor_nbytes, write_sharded_lazy
+from deepinfer_jax.checkpoint.spec import TensorSpec, checkpoint_spec, scale_name, weight_name
+from deepinfer_jax.checkpoint.quant_formats import quantize_fp4, quantize_fp8_block
+from deepinfer_jax.checkpoint.safetensors_io import tensor_nbytes, write_sharded_lazy
 
 __all__ = [
     "write_random_checkpoint",
