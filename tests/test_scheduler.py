@@ -898,3 +898,47 @@ def test_known_tokens_window():
     for a in range(0, 7):
         for b in range(a, 9):
             assert r.known_tokens(a, b) == full[a:b]
+
+
+# =========================================================================== 9. soak
+
+
+def soak_workload(seed=11, n=300):
+    """300 requests: shared prefixes (prefix hits and, under a small pool, evictions), chunked
+    prompts, stop ids, min_tokens, logprobs, and a few prompt-logprob requests."""
+    rng = np.random.default_rng(seed)
+    bases = [rand_prompt(rng, int(rng.integers(40, 160))) for _ in range(6)]
+    reqs = []
+    for i in range(n):
+        prompt = bases[i % 6][:int(rng.integers(16, 160))] + rand_prompt(rng, int(rng.integers(1, 60)))
+        kw = dict(seed=int(rng.integers(0, 2**40)), max_tokens=int(rng.integers(1, 48)), logprobs=2)
+        if i % 7 == 3:
+            kw["stop_token_ids"] = [int(rng.integers(1, V))]
+        if i % 11 == 5:
+            kw["min_tokens"] = min(3, kw["max_tokens"])
+        if i % 29 == 7:
+            kw["prompt_logprobs"] = 1
+        reqs.append((f"s{i}", prompt, params(**kw)))
+    return reqs
+
+
+def _full_outputs(outs) -> dict:
+    return {rid: [(tuple(c.token_ids), c.finish_reason, c.cumulative_logprob,
+                   [sorted(d.items()) for d in (c.logprobs or [])]) for c in o.outputs]
+                  + [o.prompt_logprobs and [sorted(d.items()) if d else None for d in o.prompt_logprobs]]
+            for rid, o in outs.items()}
+
+
+@pytest.mark.parametrize("async_sched", [True, False], ids=["async", "sync"])
+def test_soak_under_preemption_and_eviction(async_sched):
+    """Nothing is lost or mixed up over 300 requests when memory is short: every request returns
+    once, with the tokens and logprobs of a run with ample memory, through many preemptions and
+    prefix-cache evictions."""
+    reqs = soak_workload()
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, async_scheduling=async_sched)
+    ref, *_ = run(make_ec(num_blocks=400, **kw), reqs)
+    outs, eng, _, _ = run(make_ec(num_blocks=24, **kw), reqs)
+    assert eng.scheduler.num_preemptions >= 50, eng.scheduler.num_preemptions
+    assert eng.scheduler.pool.evictions >= 100, eng.scheduler.pool.evictions
+    assert eng.scheduler.pool.hits > 0
+    assert _full_outputs(outs) == _full_outputs(ref)
