@@ -183,7 +183,8 @@ def engram_constants(
     pad_token_id: int,
     compressed_vocab_size: int,
 ) -> dict[str, Any]:
-    """The hash constants of an Engram config, checked against each other. ``vocab_size`` is ``engram_vocab_size`` (the prime search base).
+    """The hash constants of an Engram config, checked against each other: a dict of
+    ``EngramHasher``'s fields. ``vocab_size`` is ``engram_vocab_size`` (the prime search base).
 
     Exactly one of ``tokenizer_path`` / ``token_map`` must be given. For an explicit
     ``token_map`` the compressed size is taken as ``max(token_map) + 1``.

@@ -19,7 +19,7 @@ The static tables (compressed token map, primes, offsets, multipliers) come from
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -84,25 +84,11 @@ class EngramHasher:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def build(
-        cls,
-        *,
-        tokenizer_path: str | None,
-        token_map: np.ndarray | None = None,
-        layer_ids: Sequence[int],
-        num_embeddings: Sequence[int],
-        max_ngram_size: int,
-        vocab_size: int,
-        n_heads: int,
-        pad_token_id: int,
-        compressed_vocab_size: int,
-    ) -> "EngramHasher":
-        """Build from config values (``base.engram_tables.engram_constants``: the checks and the
-        tables). Exactly one of ``tokenizer_path`` / ``token_map`` must be given."""
-        return cls(**engram_constants(
-            tokenizer_path=tokenizer_path, token_map=token_map, layer_ids=layer_ids,
-            num_embeddings=num_embeddings, max_ngram_size=max_ngram_size, vocab_size=vocab_size,
-            n_heads=n_heads, pad_token_id=pad_token_id, compressed_vocab_size=compressed_vocab_size))
+    def build(cls, **config) -> "EngramHasher":
+        """Build from config values: the keywords of ``base.engram_tables.engram_constants``,
+        which checks them against each other and computes the tables. Exactly one of
+        ``tokenizer_path`` / ``token_map`` must be given."""
+        return cls(**engram_constants(**config))
 
     @classmethod
     def from_model_config(
