@@ -28,8 +28,8 @@ import pytest
 
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.models.cache import CacheConfig, default_block_tokens
-from deepinfer_jax.models.engram_hash import EngramHasher
-from deepinfer_jax.models.greedy import SequenceDriver
+from deepinfer_jax.runner.engram_hash import EngramHasher
+from deepinfer_jax.runner.sequence_driver import SequenceDriver
 from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
 from deepinfer_jax.models.weights import load_model
 
