@@ -17,6 +17,8 @@ Two families:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,9 +65,28 @@ def act_quant_fp8_codes(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.A
 
 
 def act_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
-    """fp8 e4m3 QDQ of activations, per ``block`` along the last dim (reference ``act_quant``)."""
+    """fp8 e4m3 QDQ of activations, per ``block`` along the last dim (reference ``act_quant``).
+    Gradient: the identity (straight-through, see ``_straight_through``)."""
+    return _qdq_fp8(x, block)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _qdq_fp8(x: jax.Array, block: int) -> jax.Array:
     q, s = act_quant_fp8_codes(x, block)
     return (_blocks(q, block).astype(jnp.float32) * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+@_qdq_fp8.defjvp
+def _qdq_fp8_jvp(block, primals, tangents):
+    return _straight_through(_qdq_fp8(primals[0], block), tangents[0])
+
+
+def _straight_through(y: jax.Array, t_x: jax.Array):
+    """The JVP of a QDQ: the primal as computed, the input's tangent unchanged. Without it the
+    cotangent would pass through the e4m3 / e2m1 code arrays and be rounded to their grids, with
+    no scale: gradients below e4m3's smallest subnormal (2^-9) became exactly 0, and e2m1 codes
+    (integer indices) carry none. The forward computation is untouched."""
+    return y, t_x.astype(y.dtype)
 
 
 def e2m1_round(v: jax.Array) -> jax.Array:
@@ -80,7 +101,15 @@ def e2m1_round(v: jax.Array) -> jax.Array:
 
 def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> jax.Array:
     """fp4 e2m1 QDQ (reference ``fp4_act_quant`` in place). ``scale_fmt``: ``ue8m0``
-    (power-of-two scale, indexer q/k) or ``e4m3`` (amax/6 rounded to e4m3, compressed KV)."""
+    (power-of-two scale, indexer q/k) or ``e4m3`` (amax/6 rounded to e4m3, compressed KV).
+    Gradient: the identity (straight-through)."""
+    if scale_fmt not in ("ue8m0", "e4m3"):
+        raise ValueError(f"scale_fmt={scale_fmt!r}: expected 'ue8m0' or 'e4m3'")
+    return _qdq_fp4(x, block, scale_fmt)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _qdq_fp4(x: jax.Array, block: int, scale_fmt: str) -> jax.Array:
     xg = _blocks(x, block)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     if scale_fmt == "e4m3":
@@ -93,6 +122,11 @@ def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> ja
         raise ValueError(f"scale_fmt={scale_fmt!r}: expected 'ue8m0' or 'e4m3'")
     v = jnp.clip(xg / s, -FP4_MAX, FP4_MAX)
     return (e2m1_round(v) * s).reshape(x.shape).astype(x.dtype)
+
+
+@_qdq_fp4.defjvp
+def _qdq_fp4_jvp(block, scale_fmt, primals, tangents):
+    return _straight_through(_qdq_fp4(primals[0], block, scale_fmt), tangents[0])
 
 
 # ----------------------------------------------------------------------------- index-key storage

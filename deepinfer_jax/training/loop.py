@@ -1,0 +1,52 @@
+"""The training loop: resume from ``out_dir`` when asked, run up to ``steps`` optimizer steps (a
+total, so repeated calls continue one run), save every ``save_every`` steps and at the end (also
+when a wall-clock budget runs out), print the loss on a progress bar and append one JSON line
+per step to ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from deepinfer_jax.training import state_io
+from deepinfer_jax.training.step import Trainer, TrainState
+
+
+def run(trainer: Trainer, batches, steps: int, out_dir: str | os.PathLike, meta: dict, resume: bool = True,
+        save_every: int = 50, time_budget_s: float | None = None, progress: bool = True) -> TrainState:
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    state = trainer.init_state()
+    if resume and state_io.has_state(out_dir):
+        saved = state_io.load_meta(out_dir)
+        for k in ("config", "optim", "batch", "seq_len", "data_seed"):
+            if k in meta and saved.get(k) != meta[k]:
+                raise ValueError(f"resume from {out_dir}: {k}={saved.get(k)!r} there, {meta[k]!r} now")
+        state = state_io.load_state(out_dir, state)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, initial=state.step, unit="step", desc="train")
+    t0 = time.monotonic()
+    try:
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as log:
+            while state.step < steps:
+                t = time.monotonic()
+                state, m = trainer.step(state, batches(state.step))
+                m = {"step": state.step, **m, "step_s": round(time.monotonic() - t, 4)}
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+                if state.step % save_every == 0:
+                    state_io.save_state(out_dir, state, meta)
+                if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+    state_io.save_state(out_dir, state, meta)
+    return state

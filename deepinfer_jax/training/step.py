@@ -1,0 +1,66 @@
+"""The jitted train step: loss on bf16 compute weights cast from the fp32 masters, gradient with
+respect to the masters, clipped AdamW update."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from deepinfer_jax.training import params as P
+from deepinfer_jax.training.forward import check_trainable_config, train_logits
+from deepinfer_jax.training.loss import next_token_loss
+from deepinfer_jax.training.optimizer import OptimConfig, make_optimizer, schedule
+
+
+@dataclasses.dataclass
+class TrainState:
+    master: object      # fp32 trainable weights (nnx.State)
+    opt_state: object   # optax state
+    step: int           # optimizer steps taken (= batches consumed)
+
+
+class Trainer:
+    """Holds the model's structure, its frozen weights and the optimizer; ``step`` runs one
+    jitted update. ``model(master)`` rebuilds the model in its storage dtypes."""
+
+    def __init__(self, model, oc: OptimConfig):
+        check_trainable_config(model.cfg)
+        self.cfg, self.oc = model.cfg, oc.validate()
+        self.graphdef, trainable, self.frozen = P.split_model(model)
+        self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)
+        self._init_master = P.to_master(trainable)
+        self.tx = make_optimizer(oc, P.decay_mask(self._init_master))
+        self.lr = schedule(oc)
+        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+        self._eval = jax.jit(self._loss)
+
+    def init_state(self) -> TrainState:
+        master = jax.tree.map(jnp.copy, self._init_master)
+        return TrainState(master, self.tx.init(master), 0)
+
+    def model(self, master):
+        return nnx.merge(self.graphdef, P.compute_state(master, self.like), self.frozen)
+
+    def _loss(self, master, frozen, tokens_BL):
+        model = nnx.merge(self.graphdef, P.compute_state(master, self.like), frozen)
+        loss, n = next_token_loss(train_logits(model, tokens_BL), tokens_BL, self.cfg.pad_token_id)
+        return loss, n
+
+    def _step_impl(self, master, opt_state, frozen, tokens_BL, step):
+        (loss, n), grads = jax.value_and_grad(self._loss, has_aux=True)(master, frozen, tokens_BL)
+        gnorm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        return master, opt_state, {"loss": loss, "grad_norm": gnorm, "tokens": n, "lr": self.lr(step)}
+
+    def step(self, state: TrainState, tokens_BL) -> tuple[TrainState, dict]:
+        master, opt, metrics = self._step(state.master, state.opt_state, self.frozen,
+                                          jnp.asarray(tokens_BL, jnp.int32), jnp.asarray(state.step, jnp.int32))
+        return TrainState(master, opt, state.step + 1), {k: float(v) for k, v in metrics.items()}
+
+    def loss(self, master, tokens_BL) -> float:
+        return float(self._eval(master, self.frozen, jnp.asarray(tokens_BL, jnp.int32))[0])

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Train a V4.1-architecture model (bf16 storage, fp32 master weights) on a file of token ids.
+
+    python scripts/train/train.py --config v41-train-tiny --data tokens.npy --steps 200 \
+        --batch 8 --seq-len 32 --lr 3e-3 --out runs/tiny [--resume] [--time-budget 540] \
+        [--export runs/tiny/export --export-dtype fp8]
+
+``--config``: a preset (``v41-train-tiny``, ``v41-tiny``, ...) or a config.json. ``--data``: .npy
+(1-D) or a raw .bin of ``--data-dtype``; ``--data synthetic:PERIOD`` uses a repeating phrase.
+``--steps`` is the run's total: with ``--resume`` a later call continues from ``<out>/state.npz``
+(a run can span several calls of limited time, see ``--time-budget``). Writes
+``<out>/metrics.jsonl``, ``state.npz``, ``meta.json``; ``--export`` writes an official-format
+checkpoint of the trained weights (``--export-dtype bf16`` or ``fp8``: fp8 dense, fp4 experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from deepinfer_jax.training import data as D
+from deepinfer_jax.training.export import export_checkpoint
+from deepinfer_jax.training.init import init_model
+from deepinfer_jax.training.loop import run
+from deepinfer_jax.training.optimizer import OptimConfig
+from deepinfer_jax.training.presets import train_config
+from deepinfer_jax.training.step import Trainer
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="v41-train-tiny")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--data-dtype", default="uint16")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="init weights and data order")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds; save and stop after")
+    ap.add_argument("--export", default=None)
+    ap.add_argument("--export-dtype", choices=("bf16", "fp8"), default="bf16")
+    a = ap.parse_args(argv)
+
+    cfg = train_config(a.config)
+    warmup = a.warmup if a.warmup is not None else max(1, a.steps // 20)
+    oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, a.steps), total_steps=a.steps,
+                     weight_decay=a.weight_decay, clip_norm=a.clip)
+    if a.data.startswith("synthetic:"):
+        tokens = D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), cfg.vocab_size, a.seed)
+    else:
+        tokens = D.load_tokens(a.data, a.data_dtype)
+    batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size)
+    trainer = Trainer(init_model(cfg, a.seed), oc)
+    meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
+            "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data}
+    state = run(trainer, batches, a.steps, a.out, meta, resume=a.resume, save_every=a.save_every,
+                time_budget_s=a.time_budget)
+    print(f"step {state.step}/{a.steps}; state in {a.out}")
+    if a.export and state.step >= a.steps:
+        export_checkpoint(trainer, state.master, a.export, a.export_dtype)
+        print(f"exported ({a.export_dtype}) to {a.export}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
