@@ -5,7 +5,8 @@ allocated cache, so the math is the inference forward's.
 Each sequence is one row of the ragged batch (slot ``b``, its own paged blocks), every token's
 logits are requested (``logits_indices`` = all ``B * L`` tokens). The layout (positions, rows,
 block tables) depends only on ``(B, L)``; the token ids are substituted inside the traced
-function, so one compiled step serves every batch of that shape.
+function, so one compiled step serves every batch of that shape. The ops run their jnp
+references on every platform (differentiable; the kernels compute the same numerics).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from deepinfer_jax.base.block_size import default_block_tokens
 from deepinfer_jax.base.forward_batch import ForwardBatch, RowSpec, build_batch
+from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 
 
@@ -62,7 +64,10 @@ def train_logits(model, tokens_BL) -> jax.Array:
     check_trainable_config(cfg)
     B, L = tokens_BL.shape
     cache = allocate_cache(cfg, train_cache_config(cfg, B, L))
-    _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL))
+    # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
+    # define no VJP)
+    with ops.use_backend("reference"):
+        _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL))
     return logits_TV.reshape(B, L, -1)
 
 
