@@ -252,8 +252,9 @@ def test_engram_table_gradient_hits_only_the_rows_used(etrainer, batches, eids_f
 
 
 def test_engram_steps_lower_the_loss_and_move_the_tables(etrainer, estraight):
-    """6 steps on the repeating phrase: the loss falls (measured 4.6 -> below 1 on this CPU) and
-    the table codes the model stores change (the e4m3 rounding passes the updates through)."""
+    """6 steps on the repeating phrase, lr 1e-2 from step 0: the loss falls (measured 5.44 -> 0.048
+    on this CPU; asserted: below half the first) and the table codes the model stores change (the
+    e4m3 rounding passes the updates through)."""
     state, losses, _ = estraight
     assert all(np.isfinite(losses)), losses
     assert losses[0] > 3.5 and losses[-1] < 0.5 * losses[0], losses
