@@ -6,7 +6,9 @@ weights the training forward computed with (the fp32 masters cast to bf16), so t
 logits are the trained model's exactly; ``fp8`` / ``fp4`` quantize the fp32 masters
 (``checkpoint/quant_formats.py``: e4m3 with ue8m0 32x32 block scales, e2m1 experts with a ue8m0
 scale per 32 inputs). Tensors the checkpoint always keeps in BF16 / F32 are written as the
-trained model holds them.
+trained model holds them, and so are the Engram tables (always e4m3 codes with per-row ue8m0
+scales, in every weight_dtype): the trained codes (the e4m3 rounding the training forward used)
+and their frozen scales, so both exports compute the trained Engram rows exactly.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ def export_checkpoint(trainer, master, out_dir: str | os.PathLike, weight_dtype:
             if v is None:
                 raise ValueError(f"export: the trained model has no tensor {name}")
             return v.astype(ml_dtypes.bfloat16 if s.kind == "bf16" else np.float32)
+        if s.kind in ("engram_table", "engram_scale"):
+            v = _lookup(model_vals, name)
+            want = np.dtype(ml_dtypes.float8_e4m3fn) if s.kind == "engram_table" else np.dtype(np.uint8)
+            if v is None or v.dtype != want:
+                raise ValueError(f"export: tensor {name}: the trained model has "
+                                 f"{None if v is None else v.dtype}, expected {want}")
+            return v
         if s.kind in ("fp8_linear", "fp4_linear"):
             v = _lookup(master_vals, name)
             if v is None:  # a frozen weight: its model value (bf16) is exact in fp32

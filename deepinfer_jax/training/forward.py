@@ -7,6 +7,11 @@ logits are requested (``logits_indices`` = all ``B * L`` tokens). The layout (po
 block tables) depends only on ``(B, L)``; the token ids are substituted inside the traced
 function, so one compiled step serves every batch of that shape. The ops run their jnp
 references on every platform (differentiable; the kernels compute the same numerics).
+
+Engram layers: their hash ids come from the caller (``engram_ids_BLNC``, int ``[B, L,
+n_engram_layers, n_hash_cols]``, row offsets included: what ``EngramHasher.hash_positions`` gives
+for positions ``0..L-1`` of each row), since the host hasher lives in ``runner/``, which training
+may not import. They fill the batch's ``engram_ids`` as the driver's ``RowSpec.engram_ids`` do.
 """
 
 from __future__ import annotations
@@ -25,11 +30,31 @@ from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 
 
 def check_trainable_config(cfg) -> None:
-    """The training forward's limits today, named by field."""
-    if cfg.engram_enabled:
-        # the hash ids come from the runner's host hasher, which training may not import
-        raise ValueError(f"engram_layer_ids={tuple(cfg.engram_layer_ids)}: the training forward does not "
-                         "support Engram layers yet (set engram_layer_ids=())")
+    """The training forward's limits today, named by field: none left (Engram layers take their
+    hash ids from the caller, see ``check_engram_ids``); kept as the one place to add them."""
+
+
+def engram_shape(cfg, batch: int, seq_len: int) -> tuple[int, int, int, int]:
+    """``[B, L, n_engram_layers, n_hash_cols]`` of the Engram hash ids of a ``[B, L]`` batch."""
+    return (batch, seq_len, len(cfg.engram_layer_ids), cfg.engram_n_hash_cols)
+
+
+def check_engram_ids(cfg, tokens_shape, engram_ids_BLNC) -> None:
+    """Required (of the right shape) when the config has Engram layers, refused otherwise."""
+    B, L = tokens_shape
+    if not cfg.engram_enabled:
+        if engram_ids_BLNC is not None:
+            raise ValueError(f"engram_ids_BLNC: given (shape {tuple(engram_ids_BLNC.shape)}) but the config has "
+                             "no Engram layers (engram_layer_ids=())")
+        return
+    want = engram_shape(cfg, B, L)
+    if engram_ids_BLNC is None:
+        raise ValueError(f"engram_ids_BLNC: required, the config has Engram layers engram_layer_ids="
+                         f"{tuple(cfg.engram_layer_ids)}; pass the host hasher's ids of shape {want} "
+                         "(EngramHasher.hash_positions of positions 0..L-1 of each row)")
+    if tuple(engram_ids_BLNC.shape) != want:
+        raise ValueError(f"engram_ids_BLNC: shape {tuple(engram_ids_BLNC.shape)}, expected {want} "
+                         "[batch, seq_len, n_engram_layers, n_hash_cols]")
 
 
 def train_cache_config(cfg, batch: int, seq_len: int) -> CacheConfig:
@@ -46,28 +71,37 @@ def _layout(cfg, batch: int, seq_len: int) -> ForwardBatch:
     per = cc.max_blocks_per_seq
     rows = [RowSpec([0] * seq_len, 0, b, list(range(b * per, (b + 1) * per))) for b in range(batch)]
     return build_batch(rows, num_tokens=batch * seq_len, num_rows=batch, max_blocks=per, num_slots=batch,
-                       n_engram_layers=0, n_hash_cols=0, logits="all")
+                       n_engram_layers=len(cfg.engram_layer_ids),
+                       n_hash_cols=cfg.engram_n_hash_cols if cfg.engram_enabled else 0, logits="all")
 
 
-def train_batch(cfg, tokens_BL) -> ForwardBatch:
+def train_batch(cfg, tokens_BL, engram_ids_BLNC=None) -> ForwardBatch:
     """The prefill batch of ``tokens_BL`` (numpy or jax int ``[B, L]``; may be traced): the layout
-    of ``(B, L)`` with the token ids filled in."""
+    of ``(B, L)`` with the token ids (and the Engram hash ids, token-major like the driver's rows)
+    filled in."""
+    check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
     B, L = tokens_BL.shape
     lay = _layout(cfg, B, L)
     batch = jax.tree.map(jnp.asarray, lay)
-    return dataclasses.replace(batch, token_ids=jnp.asarray(tokens_BL, jnp.int32).reshape(-1))
+    batch = dataclasses.replace(batch, token_ids=jnp.asarray(tokens_BL, jnp.int32).reshape(-1))
+    if engram_ids_BLNC is not None:
+        _, _, N, C = engram_ids_BLNC.shape
+        batch = dataclasses.replace(batch, engram_ids=jnp.asarray(engram_ids_BLNC, jnp.int32).reshape(B * L, N, C))
+    return batch
 
 
-def train_logits(model, tokens_BL) -> jax.Array:
-    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``."""
+def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
+    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
+    ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
     cfg = model.cfg
     check_trainable_config(cfg)
+    check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
     B, L = tokens_BL.shape
     cache = allocate_cache(cfg, train_cache_config(cfg, B, L))
     # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
     # define no VJP)
     with ops.use_backend("reference"):
-        _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL))
+        _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC))
     return logits_TV.reshape(B, L, -1)
 
 
@@ -76,4 +110,14 @@ def as_tokens(x) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 2:
         raise ValueError(f"tokens: expected [batch, seq_len], got shape {a.shape}")
+    return a.astype(np.int32)
+
+
+def as_engram_ids(cfg, x, tokens_shape) -> np.ndarray | None:
+    """int32 ``[B, L, n_engram_layers, n_hash_cols]`` (or None) with the shape checked."""
+    if x is None:
+        check_engram_ids(cfg, tokens_shape, None)
+        return None
+    a = np.asarray(x)
+    check_engram_ids(cfg, tokens_shape, a)
     return a.astype(np.int32)

@@ -1,20 +1,29 @@
 """The training loop: resume from ``out_dir`` when asked, run up to ``steps`` optimizer steps (a
 total, so repeated calls continue one run), save every ``save_every`` steps and at the end (also
 when a wall-clock budget runs out), print the loss on a progress bar and append one JSON line
-per step to ``metrics.jsonl``."""
+per step to ``metrics.jsonl``. With Engram layers, ``engram_ids_fn(tokens_BL) -> [B, L,
+n_engram_layers, n_hash_cols]`` gives each batch's hash ids (the caller's host hasher: training
+does not import ``runner/``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from typing import Callable
+
+import numpy as np
 
 from deepinfer_jax.training import state_io
 from deepinfer_jax.training.step import Trainer, TrainState
 
 
 def run(trainer: Trainer, batches, steps: int, out_dir: str | os.PathLike, meta: dict, resume: bool = True,
-        save_every: int = 50, time_budget_s: float | None = None, progress: bool = True) -> TrainState:
+        save_every: int = 50, time_budget_s: float | None = None, progress: bool = True,
+        engram_ids_fn: Callable[[np.ndarray], np.ndarray] | None = None) -> TrainState:
+    if trainer.cfg.engram_enabled and engram_ids_fn is None:
+        raise ValueError(f"engram_ids_fn: required, the config has Engram layers engram_layer_ids="
+                         f"{tuple(trainer.cfg.engram_layer_ids)} (pass tokens_BL -> the host hasher's ids)")
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     state = trainer.init_state()
@@ -34,7 +43,8 @@ def run(trainer: Trainer, batches, steps: int, out_dir: str | os.PathLike, meta:
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as log:
             while state.step < steps:
                 t = time.monotonic()
-                state, m = trainer.step(state, batches(state.step))
+                toks = batches(state.step)
+                state, m = trainer.step(state, toks, None if engram_ids_fn is None else engram_ids_fn(toks))
                 m = {"step": state.step, **m, "step_s": round(time.monotonic() - t, 4)}
                 log.write(json.dumps(m) + "\n")
                 log.flush()

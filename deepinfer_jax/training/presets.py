@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
+from deepinfer_jax.base.engram_tables import engram_table_rows
 from deepinfer_jax.config import PRESETS, ModelConfig, preset
 
 
 def _train_tiny() -> ModelConfig:
     """CPU-sized: 4 layers (ratios 0 / 2 / 1 / 0: window-only, ratio-2 and ratio-1 compressed
     KV with their indexers, candidate blocks), mHC, top-2 MoE with a shared expert; no Engram
-    (not supported by the training forward yet), no DSpark stages (their training is later)."""
+    (``v41-train-tiny-engram`` has it), no DSpark stages (their training is later)."""
     return ModelConfig(
         vocab_size=67, hidden_size=64, num_hidden_layers=4, num_nextn_predict_layers=0,
         num_attention_heads=2, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
@@ -28,7 +29,21 @@ def _train_tiny() -> ModelConfig:
     ).validate()
 
 
-TRAIN_PRESETS = {"v41-train-tiny": _train_tiny}
+def _train_tiny_engram() -> ModelConfig:
+    """``v41-train-tiny`` with Engram on layers 0 and 2: 2- and 3-grams, 2 heads, head_dim 32, a
+    small hashed vocabulary (engram_vocab_size 40: tables of a few hundred rows, so a batch hits a
+    fraction of them); the identity token map (compressed vocab = vocab_size) unless a tokenizer
+    is given."""
+    base = _train_tiny()
+    ids, ngram, heads, evocab = (0, 2), 3, 2, 40
+    return base.replace(
+        engram_layer_ids=ids, engram_num_embeddings=engram_table_rows(len(ids), ngram, heads, evocab),
+        engram_max_ngram_size=ngram, engram_vocab_size=evocab, engram_n_heads=heads, engram_head_dim=32,
+        engram_pad_token_id=2, engram_compressed_vocab_size=base.vocab_size,
+    ).validate()
+
+
+TRAIN_PRESETS = {"v41-train-tiny": _train_tiny, "v41-train-tiny-engram": _train_tiny_engram}
 
 
 def train_config(name_or_path: str) -> ModelConfig:

@@ -1,5 +1,6 @@
 """The jitted train step: loss on bf16 compute weights cast from the fp32 masters, gradient with
-respect to the masters, clipped AdamW update."""
+respect to the masters, clipped AdamW update. With Engram layers the step and the loss take the
+batch's hash ids (``engram_ids_BLNC``, from the caller's host hasher) as one more array."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import optax
 from flax import nnx
 
 from deepinfer_jax.training import params as P
-from deepinfer_jax.training.forward import check_trainable_config, train_logits
+from deepinfer_jax.training.forward import as_engram_ids, as_tokens, check_trainable_config, train_logits
 from deepinfer_jax.training.loss import next_token_loss
 from deepinfer_jax.training.optimizer import OptimConfig, make_optimizer, schedule
 
@@ -43,24 +44,30 @@ class Trainer:
         return TrainState(master, self.tx.init(master), 0)
 
     def model(self, master):
-        return nnx.merge(self.graphdef, P.compute_state(master, self.like), self.frozen)
+        return nnx.merge(self.graphdef, P.storage_state(master, self.like), self.frozen)
 
-    def _loss(self, master, frozen, tokens_BL):
+    def _loss(self, master, frozen, tokens_BL, engram_ids_BLNC=None):
         model = nnx.merge(self.graphdef, P.compute_state(master, self.like), frozen)
-        loss, n = next_token_loss(train_logits(model, tokens_BL), tokens_BL, self.cfg.pad_token_id)
+        logits = train_logits(model, tokens_BL, engram_ids_BLNC)
+        loss, n = next_token_loss(logits, tokens_BL, self.cfg.pad_token_id)
         return loss, n
 
-    def _step_impl(self, master, opt_state, frozen, tokens_BL, step):
-        (loss, n), grads = jax.value_and_grad(self._loss, has_aux=True)(master, frozen, tokens_BL)
+    def _step_impl(self, master, opt_state, frozen, tokens_BL, engram_ids_BLNC, step):
+        (loss, n), grads = jax.value_and_grad(self._loss, has_aux=True)(master, frozen, tokens_BL, engram_ids_BLNC)
         gnorm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
         return master, opt_state, {"loss": loss, "grad_norm": gnorm, "tokens": n, "lr": self.lr(step)}
 
-    def step(self, state: TrainState, tokens_BL) -> tuple[TrainState, dict]:
-        master, opt, metrics = self._step(state.master, state.opt_state, self.frozen,
-                                          jnp.asarray(tokens_BL, jnp.int32), jnp.asarray(state.step, jnp.int32))
+    def step(self, state: TrainState, tokens_BL, engram_ids_BLNC=None) -> tuple[TrainState, dict]:
+        """One update on ``tokens_BL``; ``engram_ids_BLNC``: its Engram hash ids (required with
+        Engram layers)."""
+        toks = as_tokens(tokens_BL)
+        eids = as_engram_ids(self.cfg, engram_ids_BLNC, toks.shape)
+        master, opt, metrics = self._step(state.master, state.opt_state, self.frozen, toks, eids,
+                                          jnp.asarray(state.step, jnp.int32))
         return TrainState(master, opt, state.step + 1), {k: float(v) for k, v in metrics.items()}
 
-    def loss(self, master, tokens_BL) -> float:
-        return float(self._eval(master, self.frozen, jnp.asarray(tokens_BL, jnp.int32))[0])
+    def loss(self, master, tokens_BL, engram_ids_BLNC=None) -> float:
+        toks = as_tokens(tokens_BL)
+        return float(self._eval(master, self.frozen, toks, as_engram_ids(self.cfg, engram_ids_BLNC, toks.shape))[0])

@@ -11,6 +11,9 @@
 (a run can span several calls of limited time, see ``--time-budget``). Writes
 ``<out>/metrics.jsonl``, ``state.npz``, ``meta.json``; ``--export`` writes an official-format
 checkpoint of the trained weights (``--export-dtype bf16`` or ``fp8``: fp8 dense, fp4 experts).
+Configs with Engram layers: the hash ids of each batch come from the runner's host hasher, built
+from ``--tokenizer`` (a ``tokenizer.json`` or the model directory holding it) or, without it, the
+identity token map (token id = compressed id).
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+
+import numpy as np
 
 from deepinfer_jax.training import data as D
 from deepinfer_jax.training.export import export_checkpoint
@@ -27,6 +33,22 @@ from deepinfer_jax.training.loop import run
 from deepinfer_jax.training.optimizer import OptimConfig
 from deepinfer_jax.training.presets import train_config
 from deepinfer_jax.training.step import Trainer
+
+
+def engram_ids_fn(cfg, tokenizer: str | None):
+    """None without Engram layers; else tokens ``[B, L]`` -> the host hasher's ids ``[B, L,
+    n_engram_layers, n_hash_cols]`` of positions ``0..L-1`` of each row (what the driver computes)."""
+    if not cfg.engram_enabled:
+        return None
+    from deepinfer_jax.runner.engram_hash import EngramHasher
+
+    path = tokenizer
+    if path is not None and os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if path is not None and not os.path.isfile(path):
+        raise SystemExit(f"--tokenizer={tokenizer!r}: no tokenizer.json there")
+    hasher = EngramHasher.from_model_config(cfg, path)
+    return lambda toks: np.stack([hasher.hash_positions(t, np.arange(len(t))) for t in np.asarray(toks)])
 
 
 def main(argv=None) -> int:
@@ -48,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; save and stop after")
     ap.add_argument("--export", default=None)
     ap.add_argument("--export-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer.json (or its model directory) for the Engram hasher's token map")
     a = ap.parse_args(argv)
 
     cfg = train_config(a.config)
@@ -63,7 +87,7 @@ def main(argv=None) -> int:
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
             "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data}
     state = run(trainer, batches, a.steps, a.out, meta, resume=a.resume, save_every=a.save_every,
-                time_budget_s=a.time_budget)
+                time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer))
     print(f"step {state.step}/{a.steps}; state in {a.out}")
     if a.export and state.step >= a.steps:
         export_checkpoint(trainer, state.master, a.export, a.export_dtype)
