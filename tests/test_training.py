@@ -94,18 +94,65 @@ def test_qdq_gradient_is_straight_through():
     assert not np.array_equal(np.asarray(quant.act_quant_fp4(x, 16, "e4m3")), np.asarray(x))  # it does round
 
 
-def test_gradient_reaches_the_weights(trainer, batches):
-    """Every trained weight gets a nonzero, finite gradient (kv projections, compressors, experts,
-    mixes, head) on a real batch."""
-    toks = jnp.asarray(batches(0))
-    grads = jax.grad(lambda m: trainer._loss(m, trainer.frozen, toks)[0])(trainer.init_state().master)
-    zero = []
-    for path, v in nnx.to_flat_state(grads):
+def _grads(trainer, fn, toks):
+    g = jax.grad(lambda m: fn(m, trainer.frozen, toks)[0])(trainer.init_state().master)
+    out = {}
+    for path, v in nnx.to_flat_state(g):
         a = np.asarray(v.get_value() if hasattr(v, "get_value") else v)
         assert np.isfinite(a).all(), path_name(path)
-        if not np.any(a):
-            zero.append(path_name(path))
-    assert zero == [], f"zero gradient: {zero}"
+        out[path_name(path)] = a
+    return out
+
+
+def test_gradient_reaches_the_weights(trainer, batches):
+    """Every trained weight gets a nonzero, finite gradient of the objective (kv projections,
+    compressors, experts, mixes, head, the indexers) on a real batch, except the gate biases
+    (they only choose experts; the balancing rule moves them). The indexers learn from their KL
+    alone: the next-token loss gives them exactly zero gradient, and the KL gives none to the rest."""
+    toks = jnp.asarray(batches(0))
+    obj = _grads(trainer, trainer._objective, toks)
+    zero = sorted(k for k, a in obj.items() if not np.any(a))
+    assert zero == sorted(k for k in obj if k.endswith("ffn.gate.bias")), f"zero gradient: {zero}"
+    ce = _grads(trainer, trainer._loss, toks)
+    idx = [k for k in ce if ".attn.indexer." in k]
+    assert idx and all(not np.any(ce[k]) for k in idx)
+    # the KL alone: objective - CE touches only the indexers
+    for k in ce:
+        if ".attn.indexer." not in k:
+            np.testing.assert_allclose(obj[k], ce[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_gate_biases_move_towards_balance(cfg, batches):
+    """Step 0 has learning rate 0 (warmup), so only the balancing rule moves the masters: each
+    backbone gate bias by exactly +-rate or 0, down for the most loaded expert, up for the least."""
+    from deepinfer_jax.training import routing_balance
+
+    rate = 1e-3
+    tr = Trainer(init_model(cfg, seed=0), OptimConfig(lr=1e-2, warmup_steps=5, total_steps=10, balance_rate=rate))
+    st0 = tr.init_state()
+    before = {k: np.asarray(v) for k, v in nnx.to_flat_state(jax.tree.map(np.asarray, st0.master))}
+    toks = jnp.asarray(batches(0))
+    taps = {}
+    model = tr.model(st0.master)
+    from deepinfer_jax.training.forward import train_forward
+
+    train_forward(model, toks, None, taps)
+    loads = {k: np.asarray(v) for k, v in routing_balance.expert_loads(cfg, taps).items()}
+    st1, m = tr.step(st0, batches(0))
+    assert m["lr"] == 0.0 and m["expert_imbalance"] > 1.0
+    moved = 0
+    for path, v in nnx.to_flat_state(st1.master):
+        name, a = path_name(path), np.asarray(v.get_value() if hasattr(v, "get_value") else v)
+        d = a - np.asarray(before[path].get_value() if hasattr(before[path], "get_value") else before[path])
+        if name.endswith("ffn.gate.bias"):
+            layer = int(name.split(".")[1])
+            load = loads[layer]
+            np.testing.assert_allclose(d, rate * np.sign(load.mean() - load), atol=1e-7, err_msg=name)
+            assert d[np.argmax(load)] < 0 < d[np.argmin(load)], name
+            moved += 1
+        else:
+            assert not np.any(d), name
+    assert moved == cfg.num_hidden_layers
 
 
 def test_ten_steps_lower_the_loss(straight):

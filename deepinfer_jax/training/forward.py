@@ -90,9 +90,10 @@ def train_batch(cfg, tokens_BL, engram_ids_BLNC=None) -> ForwardBatch:
     return batch
 
 
-def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
-    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
-    ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
+def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = None):
+    """``(logits [B, L, V] f32, the filled cache, main_hidden [B*L, n_targets*D] or None)``;
+    ``taps``: a dict to fill with the forward's intermediate tensors (``ctx.tap``), which the
+    auxiliary objectives read (unused ones cost nothing under ``jit``)."""
     cfg = model.cfg
     check_trainable_config(cfg)
     check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
@@ -101,8 +102,14 @@ def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
     # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
     # define no VJP)
     with ops.use_backend("reference"):
-        _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC))
-    return logits_TV.reshape(B, L, -1)
+        cache, logits_TV, main_hidden = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC), taps)
+    return logits_TV.reshape(B, L, -1), cache, main_hidden
+
+
+def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
+    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
+    ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
+    return train_forward(model, tokens_BL, engram_ids_BLNC)[0]
 
 
 def as_tokens(x) -> np.ndarray:

@@ -18,9 +18,17 @@ from deepinfer_jax.training import state_io
 from deepinfer_jax.training.step import Trainer, TrainState
 
 
-def run(trainer: Trainer, batches, steps: int, out_dir: str | os.PathLike, meta: dict, resume: bool = True,
+PROBE_STEPS = 20  # timed steps (after the compiling one) that size an ``auto`` run
+
+
+def run(trainer: Trainer, batches, steps: int | None, out_dir: str | os.PathLike, meta: dict, resume: bool = True,
         save_every: int = 50, time_budget_s: float | None = None, progress: bool = True,
-        engram_ids_fn: Callable[[np.ndarray], np.ndarray] | None = None) -> TrainState:
+        engram_ids_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+        train_seconds: float | None = None) -> TrainState:
+    """``steps=None`` (``train.py --steps auto``): the run's length is set after
+    ``PROBE_STEPS`` timed steps so that the whole run takes about ``train_seconds`` of stepping
+    (over all calls); it is recorded in ``meta.json`` as ``total_steps`` and a resumed run reads it
+    from there."""
     if trainer.cfg.engram_enabled and engram_ids_fn is None:
         raise ValueError(f"engram_ids_fn: required, the config has Engram layers engram_layer_ids="
                          f"{tuple(trainer.cfg.engram_layer_ids)} (pass tokens_BL -> the host hasher's ids)")
@@ -33,18 +41,36 @@ def run(trainer: Trainer, batches, steps: int, out_dir: str | os.PathLike, meta:
             if k in meta and saved.get(k) != meta[k]:
                 raise ValueError(f"resume from {out_dir}: {k}={saved.get(k)!r} there, {meta[k]!r} now")
         state = state_io.load_state(out_dir, state)
+        if steps is None:
+            steps = saved.get("total_steps")
+    if steps is None and not train_seconds:
+        raise ValueError("steps=None (auto) needs train_seconds > 0")
+    meta = dict(meta)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, initial=state.step, unit="step", desc="train")
     t0 = time.monotonic()
+    probe_t, probe_from = None, state.step + 3
     try:
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as log:
-            while state.step < steps:
+            while steps is None or state.step < steps:
                 t = time.monotonic()
+                if steps is None and state.step == probe_from:
+                    probe_t = t
+                if steps is None and state.step == probe_from + PROBE_STEPS:
+                    per = (t - probe_t) / PROBE_STEPS
+                    steps = max(state.step + 1, int((train_seconds - (t - t0)) / per) + state.step)
+                    print(f"auto: {per * 1e3:.1f} ms/step -> total_steps={steps}", flush=True)
+                    if bar is not None:
+                        bar.total = steps
+                        bar.refresh()
+                if steps is not None:
+                    meta["total_steps"] = steps
                 toks = batches(state.step)
-                state, m = trainer.step(state, toks, None if engram_ids_fn is None else engram_ids_fn(toks))
+                eids = None if engram_ids_fn is None else engram_ids_fn(toks)
+                state, m = trainer.step(state, toks, eids, total_steps=steps if steps is not None else 10 ** 9)
                 m = {"step": state.step, **m, "step_s": round(time.monotonic() - t, 4)}
                 log.write(json.dumps(m) + "\n")
                 log.flush()

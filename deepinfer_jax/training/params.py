@@ -2,15 +2,16 @@
 
 Trained: every floating-point parameter except the ones the loss cannot or should not move:
 
-* ``ffn.gate.bias``: it only chooses experts (no gradient); DeepSeek adjusts it by a
-  load-balancing rule, not by the loss.
-* ``attn.indexer.*``: its output is top-k indices only (no gradient, as in the reference); it is
-  trained by its own objective (later).
 * ``mtp.*``: the DSpark stages do not feed the next-token logits (their training is later).
 * ``engram.embed.scale``: the Engram tables' per-row ue8m0 exponents (integers): frozen at their
   init values, so a row's 32-channel blocks keep their dynamic range.
 * other fp8 / integer storage (quantized weights): not trained in place (training runs on bf16
   storage; the export quantizes).
+
+Two kinds train without the next-token loss's gradient: ``ffn.gate.bias`` only chooses experts
+(zero gradient, so AdamW leaves it) and moves by the load-balancing rule
+(``routing_balance.py``); ``attn.indexer.*`` outputs top-k indices only and learns from its own
+KL objective (``indexer_loss.py``).
 
 Engram tables (``engram.embed.weight``, always fp8 e4m3 codes, any weight_dtype) ARE trained: they
 are the n-gram embeddings, the point of the layer; a frozen random table would only add noise. The
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-FROZEN_PARTS = ("ffn.gate.bias", "attn.indexer.", "mtp.")
+FROZEN_PARTS = ("mtp.",)
 ENGRAM_TABLE = "engram.embed.weight"
 _TRAINED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 _E4M3 = np.dtype(jnp.float8_e4m3fn)

@@ -7,7 +7,8 @@
 
 ``--config``: a preset (``v41-train-tiny``, ``v41-tiny``, ...) or a config.json. ``--data``: .npy
 (1-D) or a raw .bin of ``--data-dtype``; ``--data synthetic:PERIOD`` uses a repeating phrase.
-``--steps`` is the run's total: with ``--resume`` a later call continues from ``<out>/state.npz``
+``--steps`` is the run's total (``--steps auto --train-seconds S``: sized after a few timed steps so
+that stepping takes about S seconds over all calls; the choice is kept in meta.json): with ``--resume`` a later call continues from ``<out>/state.npz``
 (a run can span several calls of limited time, see ``--time-budget``). Writes
 ``<out>/metrics.jsonl``, ``state.npz``, ``meta.json``; ``--export`` writes an official-format
 checkpoint of the trained weights (``--export-dtype bf16`` or ``fp8``: fp8 dense, fp4 experts).
@@ -27,6 +28,7 @@ import sys
 import numpy as np
 
 from deepinfer_jax.training import data as D
+from deepinfer_jax.training import state_io
 from deepinfer_jax.training.export import export_checkpoint
 from deepinfer_jax.training.init import init_model
 from deepinfer_jax.training.loop import run
@@ -56,7 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="v41-train-tiny")
     ap.add_argument("--data", required=True)
     ap.add_argument("--data-dtype", default="uint16")
-    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--steps", required=True, help="total optimizer steps, or 'auto' (with --train-seconds)")
+    ap.add_argument("--train-seconds", type=float, default=None,
+                    help="with --steps auto: the stepping time of the whole run (all calls)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -70,14 +74,26 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; save and stop after")
     ap.add_argument("--export", default=None)
     ap.add_argument("--export-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--export-shard-mb", type=float, default=1024.0, help="largest safetensors file of the export")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json (or its model directory) for the Engram hasher's token map")
     a = ap.parse_args(argv)
 
-    cfg = train_config(a.config)
-    warmup = a.warmup if a.warmup is not None else max(1, a.steps // 20)
-    oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, a.steps), total_steps=a.steps,
-                     weight_decay=a.weight_decay, clip_norm=a.clip)
+    cfg = train_config(a.config, a.tokenizer)
+    if a.steps == "auto":
+        if not a.train_seconds or a.train_seconds <= 0:
+            raise SystemExit("--steps auto: needs --train-seconds > 0")
+        steps, warmup = None, a.warmup if a.warmup is not None else 200
+        oc = OptimConfig(lr=a.lr, warmup_steps=warmup, total_steps=max(warmup, 1),
+                         weight_decay=a.weight_decay, clip_norm=a.clip)
+    else:
+        try:
+            steps = int(a.steps)
+        except ValueError:
+            raise SystemExit(f"--steps={a.steps!r}: an integer or 'auto'") from None
+        warmup = a.warmup if a.warmup is not None else max(1, steps // 20)
+        oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, steps), total_steps=steps,
+                         weight_decay=a.weight_decay, clip_norm=a.clip)
     if a.data.startswith("synthetic:"):
         tokens = D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), cfg.vocab_size, a.seed)
     else:
@@ -86,11 +102,14 @@ def main(argv=None) -> int:
     trainer = Trainer(init_model(cfg, a.seed), oc)
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
             "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data}
-    state = run(trainer, batches, a.steps, a.out, meta, resume=a.resume, save_every=a.save_every,
-                time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer))
-    print(f"step {state.step}/{a.steps}; state in {a.out}")
-    if a.export and state.step >= a.steps:
-        export_checkpoint(trainer, state.master, a.export, a.export_dtype)
+    state = run(trainer, batches, steps, a.out, meta, resume=a.resume, save_every=a.save_every,
+                time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer),
+                train_seconds=a.train_seconds)
+    total = state_io.load_meta(a.out).get("total_steps", steps)
+    print(f"step {state.step}/{total}; state in {a.out}")
+    if a.export and total is not None and state.step >= total:
+        export_checkpoint(trainer, state.master, a.export, a.export_dtype,
+                          max_shard_bytes=int(a.export_shard_mb * 2**20))
         print(f"exported ({a.export_dtype}) to {a.export}")
     return 0
 

@@ -94,6 +94,8 @@ class Attention(nnx.Module):
     def __call__(self, ctx: StepContext, x_TD: jax.Array) -> jax.Array:
         pos = ctx.pos
         q, qr = self.project_q(x_TD, pos)
+        if hasattr(self, "indexer"):
+            ctx.tap(f"attn{self.layer}_q", q)  # the indexer's training target (its attention)
         kv = self.project_kv(x_TD, pos)
         ring = ctx.cache["window"][self.layer]
         S, W, A = ring.shape

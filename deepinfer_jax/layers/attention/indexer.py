@@ -8,6 +8,11 @@ layer's KV source (written by the source, from the compressor latent before RoPE
 ``quant.pack_index_keys``, which holds those values exactly). Every index layer scores
 against the keys of all groups its KV source has completed, at every step. The candidate source
 publishes the best ``candidate_topk_blocks`` blocks; later index layers mask the rest.
+
+The indexer learns from its own objective only (as in DeepSeek's sparse attention: a KL
+divergence to the main attention's distribution, ``training/indexer_loss.py``): its inputs are
+cut from the gradient (``stop_gradient``, a no-op at inference), and its raw scores are tapped
+as ``index{layer}_scores`` for that loss.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class Indexer(nnx.Module):
 
     def write_keys(self, ctx: StepContext, latent_TA, done_T, src: int, ratio: int, freqs: np.ndarray) -> None:
         """Index keys of the groups completed in this step -> the source's index-key cache."""
-        k = self.k_norm(self.wk(latent_TA))
+        k = self.k_norm(self.wk(jax.lax.stop_gradient(latent_TA)))
         k = quant.act_quant_fp4(apply_rope(k, ctx.pos - (ratio - 1), freqs), 32, "ue8m0")
         cache = ctx.cache["index_k"][src]
         flat = cache.reshape(-1, cache.shape[-1])
@@ -56,6 +61,7 @@ class Indexer(nnx.Module):
     def __call__(self, ctx: StepContext, x_TD, qr_TQ, src: int, ratio: int, freqs: np.ndarray,
                  tag: str = "") -> jax.Array:
         T = x_TD.shape[0]
+        x_TD, qr_TQ = jax.lax.stop_gradient(x_TD), jax.lax.stop_gradient(qr_TQ)
         q = self.wq_b(qr_TQ).reshape(T, self.n_heads, self.head_dim)
         q = quant.act_quant_fp4(apply_rope(q, ctx.pos, freqs), 32, "ue8m0")
         scale = np.float32(self.head_dim ** -0.5 * self.n_heads ** -0.5)
@@ -66,6 +72,7 @@ class Indexer(nnx.Module):
         # keys read in place from the paged cache (each row's entries), not gathered per token
         score = ops.indexer_scores_pool(q, cache.reshape(-1, cache.shape[-1]), ctx.row_entry_index(ratio),
                                         ctx.batch.token_row, w, n_vis, key_scale)
+        ctx.tap(f"index{tag}_scores", score)
         if self.is_candidate_source:
             cand = ops.candidate_blocks(score, n_vis, self.cand_blocks, self.cand_block)
             ctx.candidates[src] = cand
