@@ -95,13 +95,16 @@ class SequenceDriver:
         return np.asarray(ids), np.asarray(lg), np.asarray(conf), taps
 
     def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int, slot: int = 0,
-                        chunk: int | None = None) -> list[int]:
-        """Greedy continuation of one prompt (prefill in ``chunk``-sized pieces if given)."""
+                        chunk: int | None = None, num_tokens: int | None = None,
+                        num_rows: int | None = None) -> list[int]:
+        """Greedy continuation of one prompt (prefill in ``chunk``-sized pieces if given; every
+        step padded to ``num_tokens`` tokens / ``num_rows`` rows if given, one compiled shape)."""
         chunk = chunk or len(prompt)
+        pad = dict(num_tokens=num_tokens, num_rows=num_rows)
         for i in range(0, len(prompt), chunk):
-            lg, _, _ = self.step([(slot, prompt[i:i + chunk])])
+            lg, _, _ = self.step([(slot, prompt[i:i + chunk])], **pad)
         out = [int(np.argmax(lg[0]))]
         for _ in range(max_new_tokens - 1):
-            lg, _, _ = self.step([(slot, [out[-1]])])
+            lg, _, _ = self.step([(slot, [out[-1]])], **pad)
             out.append(int(np.argmax(lg[0])))
         return out
