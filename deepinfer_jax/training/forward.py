@@ -90,9 +90,11 @@ def train_batch(cfg, tokens_BL, engram_ids_BLNC=None) -> ForwardBatch:
     return batch
 
 
-def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
-    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
-    ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
+def train_forward(model, tokens_BL, engram_ids_BLNC=None) -> tuple[jax.Array, jax.Array | None]:
+    """``(logits [B, L, V] f32, main_hidden [B, L, n_targets*D] or None)``: the next-token logits
+    of every position (position ``t`` of row ``b`` predicts token ``t + 1``) and the DSpark context
+    (the HC-mean of the stream entering each ``dspark_target_layer_ids`` layer; None without
+    DSpark). ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
     cfg = model.cfg
     check_trainable_config(cfg)
     check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
@@ -101,8 +103,14 @@ def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
     # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
     # define no VJP)
     with ops.use_backend("reference"):
-        _, logits_TV, _ = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC))
-    return logits_TV.reshape(B, L, -1)
+        _, logits_TV, main_TX = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC))
+    return logits_TV.reshape(B, L, -1), (None if main_TX is None else main_TX.reshape(B, L, -1))
+
+
+def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
+    """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
+    ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
+    return train_forward(model, tokens_BL, engram_ids_BLNC)[0]
 
 
 def as_tokens(x) -> np.ndarray:
