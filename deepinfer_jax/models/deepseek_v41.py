@@ -170,6 +170,29 @@ class DeepseekV41ForCausalLM(nnx.Module):
             ctx.cache["dspark_window"][k] = ctx.ring_write(ctx.cache["dspark_window"][k], kv)
 
     # ------------------------------------------------------------------ DSpark draft
+    def draft_block(self, rings, ids_RB: jax.Array, last_pos_R: jax.Array, slot_R: jax.Array,
+                    taps: dict | None = None) -> tuple[jax.Array, jax.Array]:
+        """The stages' forward of one block per row: ``ids_RB`` at positions ``last_pos_R + 1 ..``,
+        stage ``k`` attending to ``rings[k]`` (``[S, W, A]``, slot ``slot_R``, valid up to
+        ``last_pos_R``) and the whole block. Returns the collapse hidden ``h_RBD`` (not normed) and
+        the logits ``[R, B, V]`` without the Markov bias."""
+        cfg = self.cfg
+        R, blk = ids_RB.shape
+        pos = (last_pos_R[:, None] + 1 + jnp.arange(blk)[None, :]).reshape(-1)
+        x = self.embed(ids_RB.reshape(-1))
+        x = jnp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
+        pre = jnp.zeros(x.shape[:2], jnp.float32).at[:, 0].set(1.0)
+        for k, stage in enumerate(self.mtp):
+            ring = rings[k]
+            attend = lambda h, s=stage, r=ring: dspark_attention(s.attn, r, h, pos, slot_R, last_pos_R, blk)
+            x, pre = stage(x, pre, attend)
+            if taps is not None:
+                taps[f"dspark_mtpblock{k}_h"] = x.reshape(R, blk, *x.shape[1:])
+                taps[f"dspark_mtpblock{k}_pre_mix"] = pre.reshape(R, blk, -1)
+        h = mhc.collapse(x, pre)
+        logits = self.logits(self.mtp[-1].norm(h)).reshape(R, blk, -1)
+        return h.reshape(R, blk, -1), logits
+
     def draft(self, cache: ModelCache, input_ids_R: jax.Array, last_pos_R: jax.Array, slot_R: jax.Array,
               taps: dict | None = None) -> DraftOutput:
         """Draft one block per row after the target sampled ``input_ids_R`` for position
@@ -178,20 +201,8 @@ class DeepseekV41ForCausalLM(nnx.Module):
         blk = cfg.dspark_block_size
         R = input_ids_R.shape[0]
         ids = jnp.full((R, blk), cfg.dspark_noise_token_id, jnp.int32).at[:, 0].set(input_ids_R)
-        pos = (last_pos_R[:, None] + 1 + jnp.arange(blk)[None, :]).reshape(-1)
-        x = self.embed(ids.reshape(-1))
-        x = jnp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
-        pre = jnp.zeros(x.shape[:2], jnp.float32).at[:, 0].set(1.0)
-        for k, stage in enumerate(self.mtp):
-            ring = cache.dspark_window[k]
-            attend = lambda h, s=stage, r=ring: dspark_attention(s.attn, r, h, pos, slot_R, last_pos_R, blk)
-            x, pre = stage(x, pre, attend)
-            if taps is not None:
-                taps[f"dspark_mtpblock{k}_h"] = x.reshape(R, blk, *x.shape[1:])
-                taps[f"dspark_mtpblock{k}_pre_mix"] = pre.reshape(R, blk, -1)
+        h, logits = self.draft_block(cache.dspark_window, ids, last_pos_R, slot_R, taps)
         last = self.mtp[-1]
-        h = mhc.collapse(x, pre)
-        logits = self.logits(last.norm(h)).reshape(R, blk, -1)
         out_ids = [input_ids_R.astype(jnp.int32)]
         embeds = []
         for i in range(blk):
@@ -200,5 +211,5 @@ class DeepseekV41ForCausalLM(nnx.Module):
             logits = logits.at[:, i].set(row)
             embeds.append(emb)
             out_ids.append(jnp.argmax(row, axis=-1).astype(jnp.int32))
-        conf = last.confidence_head(h.reshape(R, blk, -1), jnp.stack(embeds, axis=1))
+        conf = last.confidence_head(h, jnp.stack(embeds, axis=1))
         return DraftOutput(jnp.stack(out_ids, axis=1), logits, conf)

@@ -44,12 +44,18 @@ def _lookup(values: dict[str, np.ndarray], name: str) -> np.ndarray | None:
 
 
 def export_checkpoint(trainer, master, out_dir: str | os.PathLike, weight_dtype: str = "bf16",
-                      expert_dtype: str | None = None, max_shard_bytes: int = 2**30) -> str:
-    """Write the model of ``trainer`` with weights ``master`` to ``out_dir``; returns ``out_dir``."""
+                      expert_dtype: str | None = None, max_shard_bytes: int = 2**30,
+                      backbone_master=None) -> str:
+    """Write the model of ``trainer`` with weights ``master`` to ``out_dir``; returns ``out_dir``.
+    ``trainer``: a ``Trainer`` or a ``DSparkTrainer`` (its model holds the trained stages; the
+    frozen backbone is written as that model holds it). ``backbone_master``: fp32 masters of
+    weights ``master`` lacks (the backbone run's, with a ``DSparkTrainer``), which an fp8 / fp4
+    export quantizes from instead of their bf16 storage values."""
     expert_dtype = expert_dtype or ("fp4" if weight_dtype == "fp8" else "bf16")
     cfg = trainer.cfg.replace(weight_dtype=weight_dtype, expert_dtype=expert_dtype)
     model_vals = _flat(nnx.state(trainer.model(master)))  # the trained model's dtypes (bf16 / f32)
-    master_vals = {k: v.astype(np.float32) for k, v in _flat(master).items()}
+    master_vals = {} if backbone_master is None else {k: v.astype(np.float32) for k, v in _flat(backbone_master).items()}
+    master_vals |= {k: v.astype(np.float32) for k, v in _flat(master).items()}
     spec = checkpoint_spec(cfg)
     cache: dict[str, np.ndarray] = {}
 

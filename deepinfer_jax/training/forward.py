@@ -91,9 +91,13 @@ def train_batch(cfg, tokens_BL, engram_ids_BLNC=None) -> ForwardBatch:
 
 
 def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = None):
-    """``(logits [B, L, V] f32, the filled cache, main_hidden [B*L, n_targets*D] or None)``;
-    ``taps``: a dict to fill with the forward's intermediate tensors (``ctx.tap``), which the
-    auxiliary objectives read (unused ones cost nothing under ``jit``)."""
+    """``(logits [B, L, V] f32, the filled cache, main_hidden [B, L, n_targets*D] or None)``: the
+    next-token logits of every position (position ``t`` of row ``b`` predicts token ``t + 1``), the
+    cache the step wrote (the indexers' objective reads its compressed KV) and the DSpark context
+    (the HC-mean of the stream entering each ``dspark_target_layer_ids`` layer; None without
+    DSpark). ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram
+    layers). ``taps``: a dict to fill with the forward's intermediate tensors (``ctx.tap``) for
+    the auxiliary objectives (unused ones cost nothing under ``jit``)."""
     cfg = model.cfg
     check_trainable_config(cfg)
     check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
@@ -102,8 +106,8 @@ def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = No
     # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
     # define no VJP)
     with ops.use_backend("reference"):
-        cache, logits_TV, main_hidden = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC), taps)
-    return logits_TV.reshape(B, L, -1), cache, main_hidden
+        cache, logits_TV, main_TX = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC), taps)
+    return logits_TV.reshape(B, L, -1), cache, (None if main_TX is None else main_TX.reshape(B, L, -1))
 
 
 def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:

@@ -2,7 +2,8 @@
 
 Trained: every floating-point parameter except the ones the loss cannot or should not move:
 
-* ``mtp.*``: the DSpark stages do not feed the next-token logits (their training is later).
+* ``mtp.*``: the DSpark stages do not feed the next-token logits (``is_stage_trainable`` picks
+  them for their own run, ``dspark_step.DSparkTrainer``, on the frozen backbone).
 * ``engram.embed.scale``: the Engram tables' per-row ue8m0 exponents (integers): frozen at their
   init values, so a row's 32-channel blocks keep their dynamic range.
 * other fp8 / integer storage (quantized weights): not trained in place (training runs on bf16
@@ -52,9 +53,21 @@ def is_trainable(path, value) -> bool:
     return not any(part in name + "." for part in FROZEN_PARTS)
 
 
-def split_model(model):
-    """``(graphdef, trainable state in the model's dtypes, frozen state)``."""
-    return nnx.split(model, is_trainable, ...)
+def is_stage_trainable(path, value) -> bool:
+    """The DSpark stages' run: the floating-point ``mtp.*`` weights, less the parts no loss
+    moves (``ffn.gate.bias``, ``attn.indexer.*``); the backbone (embed and head included, which
+    the draft shares) stays frozen."""
+    name = path_name(path)
+    dt = np.dtype(value.dtype) if hasattr(value, "dtype") else None
+    if dt is None or dt not in _TRAINED_DTYPES or not name.startswith("mtp."):
+        return False
+    return not any(part in name + "." for part in FROZEN_PARTS if part != "mtp.")
+
+
+def split_model(model, trainable=is_trainable):
+    """``(graphdef, trainable state in the model's dtypes, frozen state)``; ``trainable(path,
+    value) -> bool`` picks the trained weights (default: the backbone run's)."""
+    return nnx.split(model, trainable, ...)
 
 
 def to_master(trainable):

@@ -90,8 +90,20 @@ def small_config(tokenizer: str | os.PathLike | None = None) -> ModelConfig:
     ).validate()
 
 
+def _train_tiny_dspark() -> ModelConfig:
+    """``v41-train-tiny`` with 2 DSpark stages (block 3, context from layers 1..3, Markov rank
+    16, top-2 of 4 experts in the stages): a CPU-sized model for the stages' training."""
+    return _train_tiny().replace(
+        num_nextn_predict_layers=2, compress_ratios=(0, 2, 1, 0, 0, 0), dspark_block_size=3,
+        dspark_noise_token_id=66, dspark_target_layer_ids=(1, 2, 3), dspark_markov_rank=16,
+        dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+    ).validate()
+
+
+
+
 TRAIN_PRESETS = {"v41-train-tiny": _train_tiny, "v41-train-tiny-engram": _train_tiny_engram,
-                 "v41-small": small_config}
+                 "v41-train-tiny-dspark": _train_tiny_dspark, "v41-small": small_config}
 
 
 def train_config(name_or_path: str, tokenizer: str | None = None) -> ModelConfig:

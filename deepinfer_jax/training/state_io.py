@@ -16,34 +16,38 @@ from deepinfer_jax.training.step import TrainState
 
 STATE_FILE = "state.npz"
 META_FILE = "meta.json"
+# a run's files are ``<prefix>state.npz`` / ``<prefix>meta.json``: the DSpark stages' run uses
+# ``DSPARK_PREFIX``, so it can live beside the backbone run it starts from
+DSPARK_PREFIX = "dspark_"
 
 
 def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def save_state(out_dir: str | os.PathLike, state: TrainState, meta: dict) -> str:
+def save_state(out_dir: str | os.PathLike, state: TrainState, meta: dict, prefix: str = "") -> str:
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     arrays = {f"master_{i}": a for i, a in enumerate(_leaves(state.master))}
     arrays |= {f"opt_{i}": a for i, a in enumerate(_leaves(state.opt_state))}
     arrays["step"] = np.asarray(state.step, np.int64)
-    path = os.path.join(out_dir, STATE_FILE)
+    path = os.path.join(out_dir, prefix + STATE_FILE)
     tmp = path + ".tmp.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
-    with open(os.path.join(out_dir, META_FILE + ".tmp"), "w") as f:
+    meta_path = os.path.join(out_dir, prefix + META_FILE)
+    with open(meta_path + ".tmp", "w") as f:
         json.dump(meta | {"step": int(state.step)}, f, indent=2)
-    os.replace(os.path.join(out_dir, META_FILE + ".tmp"), os.path.join(out_dir, META_FILE))
+    os.replace(meta_path + ".tmp", meta_path)
     return path
 
 
-def has_state(out_dir: str | os.PathLike) -> bool:
-    return os.path.isfile(os.path.join(os.fspath(out_dir), STATE_FILE))
+def has_state(out_dir: str | os.PathLike, prefix: str = "") -> bool:
+    return os.path.isfile(os.path.join(os.fspath(out_dir), prefix + STATE_FILE))
 
 
-def load_meta(out_dir: str | os.PathLike) -> dict:
-    with open(os.path.join(os.fspath(out_dir), META_FILE)) as f:
+def load_meta(out_dir: str | os.PathLike, prefix: str = "") -> dict:
+    with open(os.path.join(os.fspath(out_dir), prefix + META_FILE)) as f:
         return json.load(f)
 
 
@@ -63,9 +67,9 @@ def _fill(template, arrays, prefix: str, path: str):
     return jax.tree.unflatten(treedef, out)
 
 
-def load_state(out_dir: str | os.PathLike, template: TrainState) -> TrainState:
+def load_state(out_dir: str | os.PathLike, template: TrainState, prefix: str = "") -> TrainState:
     """The saved state, shaped like ``template`` (a fresh ``Trainer.init_state()``)."""
-    path = os.path.join(os.fspath(out_dir), STATE_FILE)
+    path = os.path.join(os.fspath(out_dir), prefix + STATE_FILE)
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     return TrainState(_fill(template.master, arrays, "master", path),

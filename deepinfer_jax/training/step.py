@@ -32,10 +32,10 @@ class Trainer:
     """Holds the model's structure, its frozen weights and the optimizer; ``step`` runs one
     jitted update. ``model(master)`` rebuilds the model in its storage dtypes."""
 
-    def __init__(self, model, oc: OptimConfig):
+    def __init__(self, model, oc: OptimConfig, trainable=P.is_trainable):
         check_trainable_config(model.cfg)
         self.cfg, self.oc = model.cfg, oc.validate()
-        self.graphdef, trainable, self.frozen = P.split_model(model)
+        self.graphdef, trainable, self.frozen = P.split_model(model, trainable)
         self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)
         self._init_master = P.to_master(trainable)
         self.tx = make_optimizer(oc, P.decay_mask(self._init_master))
