@@ -3,8 +3,10 @@
 # (state under runs/, kept between calls on the same machine; figures and small files -> $OUT):
 #   bash scripts/train/gpu_pipeline.sh backbone SECONDS   # corpus (once), then backbone training
 #                                                         # for at most SECONDS of this call
-#   bash scripts/train/gpu_pipeline.sh export             # bf16 + fp8 exports, held-out bits/byte
-#   bash scripts/train/gpu_pipeline.sh dspark SECONDS     # DSpark stages on the frozen backbone
+#   bash scripts/train/gpu_pipeline.sh finish B D         # backbone for at most B more seconds (it
+#        stops at its total), DSpark stages for D seconds of stepping on the frozen backbone, bf16
+#        + fp8 exports with the stages, held-out bits/byte (bf16, fp8, random init) and DSpark
+#        acceptance (greedy and temperature 1) of the fp8 export; the fp8 export -> $OUT
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
 # (16), SEQ (1024), LR (2e-3).
 set -u -o pipefail
@@ -15,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 CORPUS=runs/corpus RUN=runs/small
 BATCH="${BATCH:-16}" SEQ="${SEQ:-1024}" LR="${LR:-2e-3}" TRAIN_SECONDS="${TRAIN_SECONDS:-700}"
-stage=${1:?stage: backbone | export | dspark}
+stage=${1:?stage: backbone | finish}
 
 corpus() {
   if [ ! -f "$CORPUS/corpus_stats.json" ]; then
@@ -37,15 +39,25 @@ case $stage in
     "$PY" scripts/train/train.py "${train_args[@]}" --time-budget "$left" 2>"$OUT/train_stderr.log" | tee -a "$OUT/train.log"
     cp "$RUN/metrics.jsonl" "$RUN/meta.json" "$OUT/"
     ;;
-  export)
+  finish)
+    "$PY" scripts/train/train.py "${train_args[@]}" --time-budget "${2:?backbone seconds}" 2>"$OUT/train_stderr.log" | tee -a "$OUT/train.log"
+    cp "$RUN/metrics.jsonl" "$RUN/meta.json" "$OUT/"
+    ds_args=(--model-run "$RUN" --tokenizer "$CORPUS" --data "$CORPUS/train.npy" --steps auto
+             --train-seconds "${3:?dspark seconds}" --batch "$BATCH" --seq-len "$SEQ" --anchors "${ANCHORS:-64}"
+             --lr "${DS_LR:-6e-4}" --out "$RUN" --save-every 500 --resume)
+    "$PY" scripts/train/train_dspark.py "${ds_args[@]}" 2>"$OUT/dspark_stderr.log" | tee -a "$OUT/dspark.log"
+    cp "$RUN/dspark_metrics.jsonl" "$RUN/dspark_meta.json" "$OUT/"
     for dt in bf16 fp8; do
-      "$PY" scripts/train/train.py "${train_args[@]}" --time-budget 1 --export "runs/export_$dt" --export-dtype "$dt" \
+      "$PY" scripts/train/train_dspark.py "${ds_args[@]}" --export "runs/export_$dt" --export-dtype "$dt" \
         --export-shard-mb 15 2>>"$OUT/export_stderr.log" | tail -1
       cp "$CORPUS"/tokenizer*.json "runs/export_$dt/"
     done
+    "$PY" scripts/eval/dspark_acceptance.py --model runs/export_fp8 --tokenizer runs/export_fp8 \
+      --heldout "$CORPUS/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len 256 --max-new-tokens 128 \
+      --temperature 0 1 --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
     "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
-      --random-init --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
-    cp runs/export_fp8/* "$OUT/" 2>/dev/null; ls -la "$OUT"
+      --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
+    mkdir -p "$OUT/model"; cp runs/export_fp8/* "$OUT/model/"; ls -la "$OUT" "$OUT/model"
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

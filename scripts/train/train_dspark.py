@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model-run", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--data-dtype", default="uint16")
-    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--steps", required=True, help="total optimizer steps, or 'auto' (with --train-seconds)")
+    ap.add_argument("--train-seconds", type=float, default=None,
+                    help="with --steps auto: the stepping time of the whole run (all calls)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=8, help="draft blocks per sequence per step")
@@ -82,15 +84,27 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; save and stop after")
     ap.add_argument("--export", default=None)
     ap.add_argument("--export-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--export-shard-mb", type=float, default=1024.0, help="largest safetensors file of the export")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json (or its model directory) for the Engram hasher's token map")
     a = ap.parse_args(argv)
 
     model, backbone_master, src = load_backbone(a.model_run)
     cfg = model.cfg
-    warmup = a.warmup if a.warmup is not None else max(1, a.steps // 20)
-    oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, a.steps), total_steps=a.steps,
-                     weight_decay=a.weight_decay, clip_norm=a.clip)
+    if a.steps == "auto":
+        if not a.train_seconds or a.train_seconds <= 0:
+            raise SystemExit("--steps auto: needs --train-seconds > 0")
+        steps, warmup = None, a.warmup if a.warmup is not None else 50
+        oc = OptimConfig(lr=a.lr, warmup_steps=warmup, total_steps=max(warmup, 1),
+                         weight_decay=a.weight_decay, clip_norm=a.clip)
+    else:
+        try:
+            steps = int(a.steps)
+        except ValueError:
+            raise SystemExit(f"--steps={a.steps!r}: an integer or 'auto'") from None
+        warmup = a.warmup if a.warmup is not None else max(1, steps // 20)
+        oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, steps), total_steps=steps,
+                         weight_decay=a.weight_decay, clip_norm=a.clip)
     lc = DSparkLossConfig(a.gamma, a.ce_alpha, a.l1_alpha, a.conf_alpha)
     if a.data.startswith("synthetic:"):
         tokens = D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), cfg.vocab_size, a.seed)
@@ -101,12 +115,14 @@ def main(argv=None) -> int:
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
             "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data,
             "anchors": a.anchors, "anchor_seed": a.seed, "dspark_loss": dataclasses.asdict(lc), "model_run": src}
-    state = run(trainer, batches, a.steps, a.out, meta, resume=a.resume, save_every=a.save_every,
+    state = run(trainer, batches, steps, a.out, meta, resume=a.resume, save_every=a.save_every,
                 time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer),
-                prefix=state_io.DSPARK_PREFIX)
-    print(f"step {state.step}/{a.steps}; DSpark state in {a.out}/{state_io.DSPARK_PREFIX}{state_io.STATE_FILE}")
-    if a.export and state.step >= a.steps:
-        export_checkpoint(trainer, state.master, a.export, a.export_dtype, backbone_master=backbone_master)
+                prefix=state_io.DSPARK_PREFIX, train_seconds=a.train_seconds)
+    total = state_io.load_meta(a.out, state_io.DSPARK_PREFIX).get("total_steps", steps)
+    print(f"step {state.step}/{total}; DSpark state in {a.out}/{state_io.DSPARK_PREFIX}{state_io.STATE_FILE}")
+    if a.export and total is not None and state.step >= total:
+        export_checkpoint(trainer, state.master, a.export, a.export_dtype, backbone_master=backbone_master,
+                          max_shard_bytes=int(a.export_shard_mb * 2**20))
         print(f"exported ({a.export_dtype}, trained stages) to {a.export}")
     return 0
 
