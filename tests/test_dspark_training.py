@@ -209,3 +209,41 @@ def test_export_with_trained_stages(cfg, trainer, straight, tmp_path):
         outs.append(drv.draft([0], [int(lg[0].argmax())]))
     for x, y in zip(outs[0][:3], outs[1][:3]):
         np.testing.assert_array_equal(x, y)
+
+
+def test_training_ignores_registered_kernels(cfg, batches, monkeypatch):
+    """Both trainers run their forwards on the jnp references whatever kernels the platform has
+    (the Pallas kernels define no VJP): with a kernel registered for every op on this platform
+    that fails when traced, a backbone step and a stage step still run. (On the GPU the stage
+    step picked the Pallas sparse attention before it was pinned to the references.)"""
+    from deepinfer_jax.kernels_pallas import ops
+    from deepinfer_jax.training.step import Trainer
+
+    def boom(*a, **k):
+        raise AssertionError("a registered kernel was traced inside a training step")
+
+    names = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))]
+    platform = jax.default_backend()
+    monkeypatch.setattr(ops, "_load_kernels", lambda p: None)
+    for n in names:
+        monkeypatch.setitem(ops._KERNELS, (n, platform), boom)
+    oc = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=2)
+    with ops.use_backend("auto"):
+        Trainer(init_model(cfg, seed=0), oc).step(Trainer(init_model(cfg, seed=0), oc).init_state(), batches(0))
+        t = DSparkTrainer(init_model(cfg, seed=0), oc, num_anchors=2)
+        t.step(t.init_state(), batches(0))
+
+
+def test_auto_run_keeps_its_length_across_calls(cfg, batches, tmp_path):
+    """An ``auto`` run records ``total_steps`` once sized, and a later call that takes no step
+    (it is done) keeps it in meta.json: before, that call dropped it and the next call sized the
+    run afresh and trained on (it happened on the GPU: a second DSpark schedule)."""
+    oc = OptimConfig(lr=1e-3, warmup_steps=1, total_steps=1)
+    t = DSparkTrainer(init_model(cfg, seed=0), oc, num_anchors=2)
+    meta = {"optim": {"lr": 1e-3}}
+    s = run(t, batches, None, tmp_path, meta, progress=False, train_seconds=1e-9, prefix=state_io.DSPARK_PREFIX)
+    total = state_io.load_meta(tmp_path, state_io.DSPARK_PREFIX)["total_steps"]
+    assert s.step == total >= 1
+    s2 = run(t, batches, None, tmp_path, meta, progress=False, train_seconds=1e-9, prefix=state_io.DSPARK_PREFIX)
+    assert s2.step == total
+    assert state_io.load_meta(tmp_path, state_io.DSPARK_PREFIX)["total_steps"] == total

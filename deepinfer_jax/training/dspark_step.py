@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.training import params as P
 from deepinfer_jax.training.dspark_forward import backbone_forward, sample_anchors, stage_forward
 from deepinfer_jax.training.dspark_loss import DSparkLossConfig, dspark_loss
@@ -60,7 +61,8 @@ class DSparkTrainer(Trainer):
         return backbone_forward(self._compute_model(master, frozen), tokens_BL, engram_ids_BLNC)
 
     def _loss(self, master, frozen, tokens_BL, anchors_BA, logits_BLV, main_BLX):
-        out = stage_forward(self._compute_model(master, frozen), tokens_BL, anchors_BA, logits_BLV, main_BLX)
+        with ops.use_backend("reference"):  # differentiable (the Pallas kernels define no VJP)
+            out = stage_forward(self._compute_model(master, frozen), tokens_BL, anchors_BA, logits_BLV, main_BLX)
         return dspark_loss(out.draft_logits, out.confidence, out.target_ids, out.target_logits, out.mask, self.lc)
 
     def _step_impl(self, master, opt_state, frozen, tokens_BL, engram_ids_BLNC, anchors_BA, step, total_steps):

@@ -49,6 +49,8 @@ def run(trainer: Trainer, batches, steps: int | None, out_dir: str | os.PathLike
     if steps is None and not train_seconds:
         raise ValueError("steps=None (auto) needs train_seconds > 0")
     meta = dict(meta)
+    if steps is not None:
+        meta["total_steps"] = steps  # kept by every save, also a resumed call that takes no step
     bar = None
     if progress:
         from tqdm.auto import tqdm
