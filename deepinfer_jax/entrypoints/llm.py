@@ -28,15 +28,17 @@ from tqdm.auto import tqdm
 
 from deepinfer_jax.engine import input_checks
 from deepinfer_jax.engine_config import EngineConfig
+from deepinfer_jax.models.registry import DEFAULT_MODEL
 from deepinfer_jax.engine.outputs import RequestOutput
 from deepinfer_jax.sampling.params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "v41-tiny", *, mesh=None, model_seed: int = 0, progress: bool = True,
+    def __init__(self, model: str = DEFAULT_MODEL, *, mesh=None, model_seed: int = 0, progress: bool = True,
                  **engine_config: Any):
         """``model``: a model directory (safetensors or Orbax, with ``tokenizer.json`` for text
-        prompts) or a preset name. Keywords are ``EngineConfig`` fields; ``mesh`` a jax Mesh
+        prompts), a shipped model (default: the trained ``v41-small-code``) or a preset name
+        (random weights). Keywords are ``EngineConfig`` fields; ``mesh`` a jax Mesh
         (default: ``dp``/``cp`` from the config). ``model_seed``: the random weights of a preset."""
         from deepinfer_jax.config import ModelConfig
         from deepinfer_jax.models.registry import resolve_model

@@ -1,7 +1,10 @@
-"""Model names -> model directories: a directory is used as is; a preset name (``v41-tiny``,
-``v41-flash``) has no released weights here, so on first use a random-weight checkpoint of that
-preset (official format, with a small tokenizer) is written to ``$DEEPINFER_CACHE`` (default
-``~/.cache/deepinfer_jax``) and reused afterwards."""
+"""Model names -> model directories: a directory is used as is; a shipped model's name
+(``SHIPPED``: the trained ``v41-small-code``, package data under ``deepinfer_jax/assets/``) is its
+directory there; a preset name (``v41-tiny``, ``v41-flash``) has no released weights here, so on
+first use a random-weight checkpoint of that preset (official format, with a small tokenizer) is
+written to ``$DEEPINFER_CACHE`` (default ``~/.cache/deepinfer_jax``) and reused afterwards.
+
+``DEFAULT_MODEL`` (what ``LLM()`` and the CLI load) is the shipped trained model."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "v41-tiny"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# name -> directory of the models that ship with the package (see its provenance.json)
+SHIPPED = {"v41-small-code": ASSETS / "v41-small-code"}
+DEFAULT_MODEL = "v41-small-code"
 
 
 def cache_root() -> Path:
@@ -25,8 +31,15 @@ def resolve_model(model: str, seed: int = 0, progress: bool = True) -> str:
         if not os.path.exists(os.path.join(model, "config.json")):
             raise ValueError(f"model={model!r}: directory has no config.json")
         return model
+    if model in SHIPPED:
+        path = SHIPPED[model]
+        if not (path / "config.json").exists():
+            raise ValueError(f"model={model!r}: the shipped model's files are missing from {path} "
+                             "(a partial install? reinstall the package)")
+        return str(path)
     if model not in PRESETS:
-        raise ValueError(f"model={model!r}: not a directory and not a preset (presets: {sorted(PRESETS)})")
+        raise ValueError(f"model={model!r}: not a directory, a shipped model ({sorted(SHIPPED)}) "
+                         f"or a preset (presets: {sorted(PRESETS)})")
     out = cache_root() / f"{model}-random-seed{seed}"
     if not (out / "config.json").exists():
         from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
