@@ -7,7 +7,10 @@ Until a kernel is registered for an op, every platform runs the reference.
 Which one runs is decided when a step is traced: ``use_backend(name)`` around the trace (the
 engine's runner does this with its own ``kernels`` setting, which is also part of its compiled
 step's cache key), else the process default: ``$DEEPINFER_KERNELS`` or ``set_backend``.
-``"reference"`` forces the references anywhere.
+``"reference"`` forces the references anywhere. ``full_rows(B, L)`` around a trace says the step's
+tokens are ``B`` whole sequences of ``L`` tokens from position 0 (training): the references of
+``sparse_attention`` and ``indexer_scores_pool`` then take their dense per-row forms
+(``full_rows_ref.py``: no per-token key copies, no scatter-add gradients).
 
 A kernel that cannot take a call (a non-SM90 GPU, operands on several devices without a context
 mesh, a shape it does not tile) runs the reference and says so: ``note_fallback`` logs each
@@ -25,11 +28,12 @@ import os
 import warnings
 from typing import Callable
 
-from deepinfer_jax.kernels_pallas import indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
+from deepinfer_jax.kernels_pallas import full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
 BACKENDS = ("auto", "reference")
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepinfer_kernels", default=None)
+_FULL_ROWS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("deepinfer_full_rows", default=None)
 _FALLBACKS: collections.Counter = collections.Counter()  # (op, reason) -> traced calls
 _log = logging.getLogger("deepinfer_jax.kernels")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
@@ -84,6 +88,16 @@ def use_backend(name: str | None):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def full_rows(batch: int, seq_len: int):
+    """Ops traced inside see ``batch`` whole sequences of ``seq_len`` tokens (see the module doc)."""
+    token = _FULL_ROWS.set((int(batch), int(seq_len)))
+    try:
+        yield
+    finally:
+        _FULL_ROWS.reset(token)
+
+
 def current_backend() -> str:
     return _ACTIVE.get() or default_backend()
 
@@ -122,6 +136,9 @@ def _pick(op: str, ref: Callable) -> Callable:
 
 def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = True):
     """Sparse MQA attention with sink over gathered entries of ``pools`` (see the reference)."""
+    rows = _FULL_ROWS.get()
+    if rows is not None and current_backend() == "reference":
+        return full_rows_ref.sparse_attention_rows(q_THA, pools, idxs, sink_H, scale, rows)
     return _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)(q_THA, pools, idxs, sink_H, scale, exact)
 
 
@@ -132,6 +149,10 @@ def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T):
 def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P=None):
     """``indexer_scores`` with keys ``pool_PJ[entry_RN[token_row_T[t]]]`` read in place (no gather copy);
     with ``pool_scale_P`` the pool holds codes scaled per entry (``quant.pack_index_keys``)."""
+    rows = _FULL_ROWS.get()
+    if rows is not None and current_backend() == "reference":
+        return full_rows_ref.indexer_scores_pool_rows(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T,
+                                                      pool_scale_P, rows)
     return _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)(q_TIJ, pool_PJ, entry_RN, token_row_T,
                                                                                   w_TI, n_visible_T, pool_scale_P)
 
