@@ -384,6 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=180.0, help="no new row starts after this many seconds")
     ap.add_argument("--step-reserve-s", type=float, default=None,
                     help="seconds of the budget kept for the whole step (default 100 on GPU, 30 on CPU)")
+    ap.add_argument("--gather-step", action="store_true",
+                    help="also time the step on the general (gather) references, full_rows=False, if the budget allows")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step_<device>.json)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -463,7 +465,17 @@ def main(argv=None) -> int:
                 return ref_fn(*a, **kw)
 
         tree = synth_args(c, L, seed=i)
-        add_row(_label(c, cfg), c.calls, f, tree, c.describe())
+        rows_form = c.op in ("sparse_attention", "indexer_scores_pool")  # the training forward's per-row forms
+        # the sum counts the form the step runs (full rows, train_forward's default)
+        add_row(_label(c, cfg), c.calls, f, tree, c.describe(), in_sum=not rows_form)
+        if rows_form:
+
+            def f_rows(tree, ref_fn=ref_fn):
+                a, kw = tree
+                with ops.use_backend("reference"), ops.full_rows(B, L):
+                    return ref_fn(*a, **kw)
+
+            add_row(_label(c, cfg) + " (full rows)", c.calls, f_rows, tree, c.describe())
 
     # LM head (fp32 matmul at full precision, as layers/linear.py "f32") + cross-entropy
     rng = np.random.default_rng(123)
@@ -514,6 +526,11 @@ def main(argv=None) -> int:
                 log(f"op sum vs step: {op_sum:.2f} ms of {st['median_ms']:.2f} ms = {100 * frac:.1f}% explained "
                     f"by the rows above; {st['median_ms'] - op_sum:.2f} ms elsewhere (dense layers, mHC mixing, "
                     "quantization QDQ, compressor, Engram, gate, optimizer, ...)")
+        if args.gather_step and elapsed() < args.budget_s:
+            result["step_gather"] = g = bench_step(cfg, B, L, args.steps, full_rows=False)
+            if "median_ms" in g and "median_ms" in (result["step"] or {}):
+                log(f"full rows vs gather references: {result['step']['median_ms']:.1f} ms vs {g['median_ms']:.1f} ms "
+                    f"per step ({g['median_ms'] / result['step']['median_ms']:.2f}x)")
     result["complete"] = True
     result["total_s"] = round(elapsed(), 1)
     write()
@@ -521,7 +538,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def bench_step(cfg, B: int, L: int, steps: int) -> dict:
+def bench_step(cfg, B: int, L: int, steps: int, full_rows: bool = True) -> dict:
     """The whole jitted train step on random tokens: compile (first call minus a step), median."""
     import numpy as np
 
@@ -532,7 +549,7 @@ def bench_step(cfg, B: int, L: int, steps: int) -> dict:
     res = {}
     try:
         t0 = time.perf_counter()
-        trainer = Trainer(init_model(cfg, 0), OptimConfig(warmup_steps=1, total_steps=1000))
+        trainer = Trainer(init_model(cfg, 0), OptimConfig(warmup_steps=1, total_steps=1000), full_rows=full_rows)
         state = trainer.init_state()
         rng = np.random.default_rng(0)
         toks = rng.integers(3, cfg.vocab_size, (B, L)).astype(np.int32)
@@ -543,7 +560,7 @@ def bench_step(cfg, B: int, L: int, steps: int) -> dict:
             hasher = EngramHasher.from_model_config(cfg, None)
             eids = np.stack([hasher.hash_positions(t, np.arange(L)) for t in toks])
         res["setup_s"] = time.perf_counter() - t0
-        log(f"whole step: model + optimizer set up in {res['setup_s']:.1f}s; compiling ...")
+        log(f"whole step (full_rows={full_rows}): model + optimizer set up in {res['setup_s']:.1f}s; compiling ...")
         t0 = time.perf_counter()
         state, m = trainer.step(state, toks, eids)
         first = time.perf_counter() - t0

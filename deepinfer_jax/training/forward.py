@@ -16,6 +16,7 @@ may not import. They fill the batch's ``engram_ids`` as the driver's ``RowSpec.e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -90,14 +91,19 @@ def train_batch(cfg, tokens_BL, engram_ids_BLNC=None) -> ForwardBatch:
     return batch
 
 
-def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = None):
+def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = None, full_rows: bool = True):
     """``(logits [B, L, V] f32, the filled cache, main_hidden [B, L, n_targets*D] or None)``: the
     next-token logits of every position (position ``t`` of row ``b`` predicts token ``t + 1``), the
     cache the step wrote (the indexers' objective reads its compressed KV) and the DSpark context
     (the HC-mean of the stream entering each ``dspark_target_layer_ids`` layer; None without
     DSpark). ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram
     layers). ``taps``: a dict to fill with the forward's intermediate tensors (``ctx.tap``) for
-    the auxiliary objectives (unused ones cost nothing under ``jit``)."""
+    the auxiliary objectives (unused ones cost nothing under ``jit``). ``full_rows``: the sparse
+    attention and the indexer scores take their dense per-row reference forms
+    (``kernels_pallas/full_rows_ref.py``: much cheaper to differentiate; the indexer's arithmetic
+    is the same, the attention's differs in summation order and in rounding the probabilities to
+    bf16 against the final max, where the general reference does so per block of 64 entries);
+    False runs the general references, bit for bit the inference prefill."""
     cfg = model.cfg
     check_trainable_config(cfg)
     check_engram_ids(cfg, tokens_BL.shape, engram_ids_BLNC)
@@ -105,15 +111,16 @@ def train_forward(model, tokens_BL, engram_ids_BLNC=None, taps: dict | None = No
     cache = allocate_cache(cfg, train_cache_config(cfg, B, L))
     # the jnp references: they are the kernels' numerics, and differentiable (the Pallas kernels
     # define no VJP)
-    with ops.use_backend("reference"):
+    rows = ops.full_rows(B, L) if full_rows else contextlib.nullcontext()
+    with ops.use_backend("reference"), rows:
         cache, logits_TV, main_TX = model(cache, train_batch(cfg, tokens_BL, engram_ids_BLNC), taps)
     return logits_TV.reshape(B, L, -1), cache, (None if main_TX is None else main_TX.reshape(B, L, -1))
 
 
-def train_logits(model, tokens_BL, engram_ids_BLNC=None) -> jax.Array:
+def train_logits(model, tokens_BL, engram_ids_BLNC=None, full_rows: bool = True) -> jax.Array:
     """f32 next-token logits ``[B, L, V]``: position ``t`` of row ``b`` predicts token ``t + 1``.
     ``engram_ids_BLNC``: the Engram hash ids (required when the config has Engram layers)."""
-    return train_forward(model, tokens_BL, engram_ids_BLNC)[0]
+    return train_forward(model, tokens_BL, engram_ids_BLNC, full_rows=full_rows)[0]
 
 
 def as_tokens(x) -> np.ndarray:

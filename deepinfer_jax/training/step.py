@@ -32,7 +32,8 @@ class Trainer:
     """Holds the model's structure, its frozen weights and the optimizer; ``step`` runs one
     jitted update. ``model(master)`` rebuilds the model in its storage dtypes."""
 
-    def __init__(self, model, oc: OptimConfig, trainable=P.is_trainable):
+    def __init__(self, model, oc: OptimConfig, trainable=P.is_trainable, full_rows: bool = True):
+        self.full_rows = full_rows  # train_forward's dense per-row references (False: the general ones)
         check_trainable_config(model.cfg)
         self.cfg, self.oc = model.cfg, oc.validate()
         self.graphdef, trainable, self.frozen = P.split_model(model, trainable)
@@ -52,7 +53,7 @@ class Trainer:
     def _objective(self, master, frozen, tokens_BL, engram_ids_BLNC=None):
         model = nnx.merge(self.graphdef, P.compute_state(master, self.like), frozen)
         taps = {}
-        logits, cache, _ = train_forward(model, tokens_BL, engram_ids_BLNC, taps)
+        logits, cache, _ = train_forward(model, tokens_BL, engram_ids_BLNC, taps, full_rows=self.full_rows)
         loss, n = next_token_loss(logits, tokens_BL, self.cfg.pad_token_id)
         kl = indexer_kl(self.cfg, taps, cache, *tokens_BL.shape)
         total = loss + self.oc.indexer_loss_weight * kl
