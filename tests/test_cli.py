@@ -54,4 +54,4 @@ def test_convert_takes_a_preset_name(tmp_path, monkeypatch, capsys):
     assert is_orbax_dir(str(out)) and f"wrote {out}" in capsys.readouterr().out
     assert os.path.isdir(tmp_path / "cache" / "v41-tiny-random-seed0")
     assert main(["convert", "--model", "nope", "--out", str(out)]) == 2
-    assert "error: model='nope': not a directory and not a preset" in capsys.readouterr().err
+    assert "error: model='nope': not a directory, a shipped model" in capsys.readouterr().err

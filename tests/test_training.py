@@ -67,14 +67,17 @@ def driver_logits(model, tokens_BL) -> np.ndarray:
     return lg.reshape(*tokens_BL.shape, -1)
 
 
-def test_train_forward_is_the_inference_prefill(cfg):
+@pytest.mark.parametrize("full_rows", [False, True])
+def test_train_forward_is_the_inference_prefill(cfg, full_rows):
     """Same weights, same tokens: the training forward's logits equal SequenceDriver's prefill
     logits (logits="all") bit for bit: both run the model's own ragged step on the same batch
-    layout and a fresh cache."""
+    layout and a fresh cache. With the dense per-row references (``full_rows``, the training
+    default) too: here every token attends to at most 64 entries (window 8 + top-4), where their
+    softmax rounds exactly as the blockwise reference's (larger configs: tests/test_full_rows_ref.py)."""
     model = init_model(cfg, seed=0)
     graphdef, state = nnx.split(model)
     toks = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, L)).astype(np.int32)
-    ours = np.asarray(jax.jit(lambda st, t: train_logits(nnx.merge(graphdef, st), t))(state, toks))
+    ours = np.asarray(jax.jit(lambda st, t: train_logits(nnx.merge(graphdef, st), t, full_rows=full_rows))(state, toks))
     want = driver_logits(model, toks)
     assert ours.shape == (2, L, cfg.vocab_size)
     np.testing.assert_array_equal(ours, want)
