@@ -8,7 +8,10 @@
 #        + fp8 exports with the stages, held-out bits/byte (bf16, fp8, random init) and DSpark
 #        acceptance (greedy and temperature 1) of the fp8 export; the fp8 export -> $OUT
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
-# (16), SEQ (1024), LR (2e-3).
+# (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows).
+# $OUT gets at most 8 files (what the lent GPU machine returns): figures.tgz (metrics, meta,
+# logs, JSON figures), model_meta.tgz (config, index, tokenizer) and the fp8 export's shards
+# (15 MB each).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/runs/out}"
@@ -24,7 +27,14 @@ corpus() {
     "$PY" scripts/train/prepare_corpus.py --out "$CORPUS" --no-progress >"$OUT/corpus.log" 2>&1 || { tail -20 "$OUT/corpus.log"; exit 1; }
   fi
   tail -2 "$OUT/corpus.log" 2>/dev/null
-  cp "$CORPUS"/corpus_stats.json "$CORPUS"/tokenizer.json "$CORPUS"/tokenizer_config.json "$CORPUS"/tokenizer_ids.json "$OUT/"
+}
+
+pack() {  # the small files as one archive (the machine returns at most 8 files)
+  local t; t=$(mktemp -d)
+  cp "$RUN"/*.jsonl "$RUN"/*meta.json "$t/" 2>/dev/null
+  cp "$CORPUS"/corpus_stats.json "$CORPUS"/heldout_files.txt "$t/" 2>/dev/null
+  mv "$OUT"/*.log "$OUT"/*.json "$t/" 2>/dev/null
+  tar czf "$OUT/figures.tgz" -C "$t" .
 }
 
 train_args=(--config v41-small --tokenizer "$CORPUS" --data "$CORPUS/train.npy" --steps auto
@@ -37,16 +47,14 @@ case $stage in
     corpus
     left=$(( ${2:?seconds} - ($(date +%s) - t0) ))
     "$PY" scripts/train/train.py "${train_args[@]}" --time-budget "$left" 2>"$OUT/train_stderr.log" | tee -a "$OUT/train.log"
-    cp "$RUN/metrics.jsonl" "$RUN/meta.json" "$OUT/"
+    pack
     ;;
   finish)
     "$PY" scripts/train/train.py "${train_args[@]}" --time-budget "${2:?backbone seconds}" 2>"$OUT/train_stderr.log" | tee -a "$OUT/train.log"
-    cp "$RUN/metrics.jsonl" "$RUN/meta.json" "$OUT/"
     ds_args=(--model-run "$RUN" --tokenizer "$CORPUS" --data "$CORPUS/train.npy" --steps auto
              --train-seconds "${3:?dspark seconds}" --batch "$BATCH" --seq-len "$SEQ" --anchors "${ANCHORS:-64}"
              --lr "${DS_LR:-6e-4}" --out "$RUN" --save-every 500 --resume)
     "$PY" scripts/train/train_dspark.py "${ds_args[@]}" 2>"$OUT/dspark_stderr.log" | tee -a "$OUT/dspark.log"
-    cp "$RUN/dspark_metrics.jsonl" "$RUN/dspark_meta.json" "$OUT/"
     for dt in bf16 fp8; do
       "$PY" scripts/train/train_dspark.py "${ds_args[@]}" --export "runs/export_$dt" --export-dtype "$dt" \
         --export-shard-mb 15 2>>"$OUT/export_stderr.log" | tail -1
@@ -57,7 +65,10 @@ case $stage in
       --temperature 0 1 --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
     "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
       --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
-    mkdir -p "$OUT/model"; cp runs/export_fp8/* "$OUT/model/"; ls -la "$OUT" "$OUT/model"
+    pack
+    (cd runs/export_fp8 && tar czf "$OUT/model_meta.tgz" config.json model.safetensors.index.json tokenizer*.json \
+      && cp model-*.safetensors "$OUT/")
+    ls -la "$OUT"
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
