@@ -14,8 +14,10 @@ import sys
 
 from deepinfer_jax.models.registry import DEFAULT_MODEL
 
-DEFAULT_PROMPTS = ["the quick brown fox", "once upon a time there was", "a b c d e f g",
-                   "hello world , this is a test of the engine"]
+# Python, what the default model (v41-small-code) was trained on; a def line ends without its
+# newline (the tokenizer merges it with the next line's indent)
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import numpy as np\n\n\ndef normalize(x, axis=-1):",
+                   "class Stack:\n    def __init__(self):", "for i, line in enumerate(lines):"]
 
 
 class CLIError(ValueError):
