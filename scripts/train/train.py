@@ -53,9 +53,8 @@ def engram_ids_fn(cfg, tokenizer: str | None):
     return lambda toks: np.stack([hasher.hash_positions(t, np.arange(len(t))) for t in np.asarray(toks)])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="v41-train-tiny")
+def add_run_args(ap, lr: float) -> None:
+    """The data, schedule and run options both training scripts take."""
     ap.add_argument("--data", required=True)
     ap.add_argument("--data-dtype", default="uint16")
     ap.add_argument("--steps", required=True, help="total optimizer steps, or 'auto' (with --train-seconds)")
@@ -63,11 +62,11 @@ def main(argv=None) -> int:
                     help="with --steps auto: the stepping time of the whole run (all calls)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warmup steps (default: 5%% of --steps; with auto a fixed count)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0, help="init weights and data order")
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--save-every", type=int, default=50)
@@ -77,27 +76,41 @@ def main(argv=None) -> int:
     ap.add_argument("--export-shard-mb", type=float, default=1024.0, help="largest safetensors file of the export")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json (or its model directory) for the Engram hasher's token map")
-    a = ap.parse_args(argv)
 
-    cfg = train_config(a.config, a.tokenizer)
+
+def schedule_from_args(a, auto_warmup: int) -> tuple[int | None, OptimConfig]:
+    """``(steps or None for auto, OptimConfig)`` from the parsed options."""
     if a.steps == "auto":
         if not a.train_seconds or a.train_seconds <= 0:
             raise SystemExit("--steps auto: needs --train-seconds > 0")
-        steps, warmup = None, a.warmup if a.warmup is not None else 200
-        oc = OptimConfig(lr=a.lr, warmup_steps=warmup, total_steps=max(warmup, 1),
-                         weight_decay=a.weight_decay, clip_norm=a.clip)
-    else:
-        try:
-            steps = int(a.steps)
-        except ValueError:
-            raise SystemExit(f"--steps={a.steps!r}: an integer or 'auto'") from None
-        warmup = a.warmup if a.warmup is not None else max(1, steps // 20)
-        oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, steps), total_steps=steps,
-                         weight_decay=a.weight_decay, clip_norm=a.clip)
+        warmup = a.warmup if a.warmup is not None else auto_warmup
+        return None, OptimConfig(lr=a.lr, warmup_steps=warmup, total_steps=max(warmup, 1),
+                                 weight_decay=a.weight_decay, clip_norm=a.clip)
+    try:
+        steps = int(a.steps)
+    except ValueError:
+        raise SystemExit(f"--steps={a.steps!r}: an integer or 'auto'") from None
+    warmup = a.warmup if a.warmup is not None else max(1, steps // 20)
+    return steps, OptimConfig(lr=a.lr, warmup_steps=min(warmup, steps), total_steps=steps,
+                              weight_decay=a.weight_decay, clip_norm=a.clip)
+
+
+def load_data(a, vocab_size: int):
     if a.data.startswith("synthetic:"):
-        tokens = D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), cfg.vocab_size, a.seed)
-    else:
-        tokens = D.load_tokens(a.data, a.data_dtype)
+        return D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), vocab_size, a.seed)
+    return D.load_tokens(a.data, a.data_dtype)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="v41-train-tiny")
+    add_run_args(ap, lr=3e-3)
+    ap.add_argument("--seed", type=int, default=0, help="init weights and data order")
+    a = ap.parse_args(argv)
+
+    cfg = train_config(a.config, a.tokenizer)
+    steps, oc = schedule_from_args(a, auto_warmup=200)
+    tokens = load_data(a, cfg.vocab_size)
     batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size)
     trainer = Trainer(init_model(cfg, a.seed), oc)
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train import engram_ids_fn  # noqa: E402  (scripts/train/train.py)
+from train import add_run_args, engram_ids_fn, load_data, schedule_from_args  # noqa: E402  (scripts/train/train.py)
 
 from deepinfer_jax.config import ModelConfig  # noqa: E402
 from deepinfer_jax.training import data as D  # noqa: E402
@@ -61,55 +61,20 @@ def load_backbone(path: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-run", required=True)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--data-dtype", default="uint16")
-    ap.add_argument("--steps", required=True, help="total optimizer steps, or 'auto' (with --train-seconds)")
-    ap.add_argument("--train-seconds", type=float, default=None,
-                    help="with --steps auto: the stepping time of the whole run (all calls)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=32)
+    add_run_args(ap, lr=6e-4)
     ap.add_argument("--anchors", type=int, default=8, help="draft blocks per sequence per step")
-    ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument("--ce-alpha", type=float, default=0.1)
     ap.add_argument("--l1-alpha", type=float, default=0.9)
     ap.add_argument("--conf-alpha", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="data order and anchors")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--save-every", type=int, default=50)
-    ap.add_argument("--time-budget", type=float, default=None, help="seconds; save and stop after")
-    ap.add_argument("--export", default=None)
-    ap.add_argument("--export-dtype", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--export-shard-mb", type=float, default=1024.0, help="largest safetensors file of the export")
-    ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer.json (or its model directory) for the Engram hasher's token map")
     a = ap.parse_args(argv)
 
     model, backbone_master, src = load_backbone(a.model_run)
     cfg = model.cfg
-    if a.steps == "auto":
-        if not a.train_seconds or a.train_seconds <= 0:
-            raise SystemExit("--steps auto: needs --train-seconds > 0")
-        steps, warmup = None, a.warmup if a.warmup is not None else 50
-        oc = OptimConfig(lr=a.lr, warmup_steps=warmup, total_steps=max(warmup, 1),
-                         weight_decay=a.weight_decay, clip_norm=a.clip)
-    else:
-        try:
-            steps = int(a.steps)
-        except ValueError:
-            raise SystemExit(f"--steps={a.steps!r}: an integer or 'auto'") from None
-        warmup = a.warmup if a.warmup is not None else max(1, steps // 20)
-        oc = OptimConfig(lr=a.lr, warmup_steps=min(warmup, steps), total_steps=steps,
-                         weight_decay=a.weight_decay, clip_norm=a.clip)
+    steps, oc = schedule_from_args(a, auto_warmup=50)
     lc = DSparkLossConfig(a.gamma, a.ce_alpha, a.l1_alpha, a.conf_alpha)
-    if a.data.startswith("synthetic:"):
-        tokens = D.repeating_pattern(max(4096, 4 * a.seq_len), int(a.data.split(":", 1)[1]), cfg.vocab_size, a.seed)
-    else:
-        tokens = D.load_tokens(a.data, a.data_dtype)
+    tokens = load_data(a, cfg.vocab_size)
     batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size)
     trainer = DSparkTrainer(model, oc, a.anchors, lc, anchor_seed=a.seed)
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
