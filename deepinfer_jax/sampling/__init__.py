@@ -1,6 +1,7 @@
-"""Sampling: per-request ``SamplingParams`` (vLLM-compatible, ``params.py``, no JAX) and the
-jitted on-device sampler (``sampler.py``). Names are imported lazily so that the host side can
-use ``SamplingParams`` without importing JAX."""
+"""Sampling: per-request ``SamplingParams`` (vLLM-compatible, ``params.py``, no JAX), the jitted
+on-device sampler (``sampler.py``) and the jitted verifier of speculative drafts
+(``spec_verify.py``). Names are imported lazily so that the host side can use ``SamplingParams``
+without importing JAX."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ _EXPORTS = {
     "SamplingParams": "params", "sampling_params_from_dict": "params",
     "SampleRow": "sampler", "SamplerOutput": "sampler", "SamplingBatch": "sampler",
     "build_sampling_batch": "sampler", "min_tokens_banned_ids": "sampler", "sample": "sampler",
+    "SpecVerifyOutput": "spec_verify", "verify_drafts": "spec_verify",
 }
 __all__ = sorted(_EXPORTS)
 
