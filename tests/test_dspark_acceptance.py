@@ -121,6 +121,12 @@ def test_forced_wrong_drafts_accept_nothing(tiny, prompts, greedy, monkeypatch):
     assert rep.position_acceptance[0] == 0.0
     assert rep.verifications == R * (NEW - 1)
     assert rep.tokens == [g[:NEW] for g in greedy]
+    # the trace the simulator replays: one row per verification, nothing accepted
+    t = rep.summary(trace=True)
+    blk = tiny[0].cfg.dspark_block_size
+    assert len(t["pred_cum"]) == len(t["obs_cum"]) == rep.verifications
+    assert all(len(r) == blk and not any(r) for r in t["obs_cum"])
+    assert "pred_cum" not in rep.summary()
 
 
 def test_sampling_reproducible_with_a_seed(tiny, prompts):

@@ -148,9 +148,13 @@ class AcceptanceReport:
         return [expected_calibration_error(self.pred_cum[:, k], self.obs_cum[:, k], n_bins)
                 for k in range(self.block_size)]
 
-    def summary(self, n_bins: int = 10) -> dict:
-        """JSON-ready numbers (no per-verification arrays, no tokens)."""
-        return dict(temperature=self.temperature, block_size=self.block_size,
+    def summary(self, n_bins: int = 10, trace: bool = False) -> dict:
+        """JSON-ready numbers (no tokens); ``trace``: also the per-verification ``pred_cum`` /
+        ``obs_cum`` arrays (what ``scripts/dspark_sim.py`` replays), rounded to 4 decimals."""
+        extra = {}
+        if trace:
+            extra = dict(pred_cum=np.round(self.pred_cum, 4).tolist(), obs_cum=self.obs_cum.astype(int).tolist())
+        return extra | dict(temperature=self.temperature, block_size=self.block_size,
                     verifications=self.verifications, tau=self.tau, accepted_hist=list(self.accepted_hist),
                     position_acceptance=self.position_acceptance, ece=self.ece(n_bins),
                     ece_per_position=self.ece_per_position(n_bins),

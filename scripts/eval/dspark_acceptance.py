@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per step (slots; default min(n, 32))")
     ap.add_argument("--step-tokens", type=int, default=256, help="padded tokens per step (prefill chunk)")
     ap.add_argument("--ece-bins", type=int, default=10)
+    ap.add_argument("--trace", action="store_true",
+                    help="also write the per-verification predicted / observed cumulative acceptance "
+                         "(the trace scripts/dspark_sim.py replays)")
     ap.add_argument("--out", default=None, help="JSON results path")
     a = ap.parse_args(argv)
 
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
         with tqdm(total=len(prompts) * a.max_new_tokens, desc=f"T={T:g}", unit="tok") as bar:
             rep = measure_acceptance(model, prompts, a.max_new_tokens, temperature=T, seed=a.seed, hasher=hasher,
                                      batch_size=a.batch_size, step_tokens=a.step_tokens, progress=bar.update)
-        s = rep.summary(a.ece_bins)
+        s = rep.summary(a.ece_bins, trace=a.trace)
         s["wall_s"] = time.time() - t0
         s["tokens"] = rep.tokens
         results.append(s)

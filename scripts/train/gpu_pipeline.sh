@@ -62,7 +62,7 @@ case $stage in
     done
     "$PY" scripts/eval/dspark_acceptance.py --model runs/export_fp8 --tokenizer runs/export_fp8 \
       --heldout "$CORPUS/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len 256 --max-new-tokens 128 \
-      --temperature 0 1 --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
+      --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
     "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
       --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
     pack
