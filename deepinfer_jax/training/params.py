@@ -32,6 +32,8 @@ import numpy as np
 from flax import nnx
 
 FROZEN_PARTS = ("mtp.",)
+# the stages' run: no loss moves their gate biases (no balancing rule runs there) or indexers
+STAGE_FROZEN_PARTS = ("ffn.gate.bias", "attn.indexer.")
 ENGRAM_TABLE = "engram.embed.weight"
 _TRAINED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -61,7 +63,7 @@ def is_stage_trainable(path, value) -> bool:
     dt = np.dtype(value.dtype) if hasattr(value, "dtype") else None
     if dt is None or dt not in _TRAINED_DTYPES or not name.startswith("mtp."):
         return False
-    return not any(part in name + "." for part in FROZEN_PARTS if part != "mtp.")
+    return not any(part in name + "." for part in STAGE_FROZEN_PARTS)
 
 
 def split_model(model, trainable=is_trainable):
