@@ -64,3 +64,18 @@ def sm90_lowering(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs and tracing caches: the suite runs in
+    one process and compiles several hundred programs (models up to the 40M-parameter shipped
+    one); unreleased, they pile up for the whole run. (jax 0.12.0.1's CPU compiler once
+    segfaulted late in such a run; with this the process holds one module's programs at a time.)"""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
