@@ -99,7 +99,8 @@ def test_greedy_tokens_are_the_plain_greedy_continuation(tiny, prompts, greedy):
     assert rep.pred_cum.shape == rep.obs_cum.shape == (rep.verifications, blk)
     assert np.all(np.diff(rep.pred_cum, axis=1) <= 0) and np.all((rep.pred_cum > 0) & (rep.pred_cum < 1))
     np.testing.assert_array_equal(rep.obs_cum.sum(1), np.repeat(np.arange(blk + 1), h))
-    assert 1.0 <= rep.tau <= blk + 1
+    # tau is the histogram's mean of (accepted + 1)
+    assert rep.tau == pytest.approx((h * (np.arange(blk + 1) + 1)).sum() / h.sum())
     # every token after the first comes from a verification; the last one may overshoot NEW
     assert rep.verifications <= R * (NEW - 1) <= (h * (np.arange(blk + 1) + 1)).sum()
 
