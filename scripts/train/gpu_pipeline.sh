@@ -3,10 +3,12 @@
 # (state under runs/, kept between calls on the same machine; figures and small files -> $OUT):
 #   bash scripts/train/gpu_pipeline.sh backbone SECONDS   # corpus (once), then backbone training
 #                                                         # for at most SECONDS of this call
-#   bash scripts/train/gpu_pipeline.sh finish B D         # backbone for at most B more seconds (it
+#   bash scripts/train/gpu_pipeline.sh finish B D [CALL]  # backbone for at most B more seconds (it
 #        stops at its total), DSpark stages for D seconds of stepping on the frozen backbone, bf16
-#        + fp8 exports with the stages, held-out bits/byte (bf16, fp8, random init) and DSpark
-#        acceptance (greedy and temperature 1) of the fp8 export; the fp8 export -> $OUT
+#        + fp8 exports with the stages (the fp8 export -> $OUT at once), then DSpark acceptance
+#        (greedy and temperature 1) and held-out bits/byte (bf16, fp8, random init); with CALL (the
+#        call's time limit in seconds) the two measurements are cut short so that the archives
+#        are written before the limit
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
 # (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows).
 # $OUT gets at most 8 files (what the lent GPU machine returns): figures.tgz (metrics, meta,
@@ -50,6 +52,7 @@ case $stage in
     pack
     ;;
   finish)
+    t0=$(date +%s)
     "$PY" scripts/train/train.py "${train_args[@]}" --time-budget "${2:?backbone seconds}" 2>"$OUT/train_stderr.log" | tee -a "$OUT/train.log"
     ds_args=(--model-run "$RUN" --tokenizer "$CORPUS" --data "$CORPUS/train.npy" --steps auto
              --train-seconds "${3:?dspark seconds}" --batch "$BATCH" --seq-len "$SEQ" --anchors "${ANCHORS:-64}"
@@ -60,14 +63,19 @@ case $stage in
         --export-shard-mb 15 2>>"$OUT/export_stderr.log" | tail -1
       cp "$CORPUS"/tokenizer*.json "runs/export_$dt/"
     done
-    "$PY" scripts/eval/dspark_acceptance.py --model runs/export_fp8 --tokenizer runs/export_fp8 \
-      --heldout "$CORPUS/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len 256 --max-new-tokens 128 \
-      --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
-    "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
-      --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
-    pack
     (cd runs/export_fp8 && tar czf "$OUT/model_meta.tgz" config.json model.safetensors.index.json tokenizer*.json \
       && cp model-*.safetensors "$OUT/")
+    call=${4:-}
+    left() {  # seconds until $1 seconds before the call's limit (at least 1)
+      if [ -z "$call" ]; then echo 100000; return; fi
+      local s=$(( call - ($(date +%s) - t0) - $1 )); echo $(( s > 1 ? s : 1 ))
+    }
+    timeout "$(left 20)" "$PY" scripts/eval/dspark_acceptance.py --model runs/export_fp8 --tokenizer runs/export_fp8 \
+      --heldout "$CORPUS/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len 256 --max-new-tokens 128 \
+      --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
+    timeout "$(left 12)" "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
+      --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
+    pack
     ls -la "$OUT"
     ;;
   *) echo "unknown stage $stage"; exit 2;;
