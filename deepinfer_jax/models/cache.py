@@ -12,8 +12,11 @@
   the Triton scoring kernel is not faster on codes (it converts them in registers, which keeps
   the key loads off the pipelined shared-memory path) and prefill scoring of one request row is
   ~25% slower, so fp8 is the capacity option, not the speed one.
-* ``comp_state_kv[i]`` / ``comp_state_score[i]``: the compressor's pending group per slot,
-  fp32 ``[S, r, A]`` (unused for r = 1 sources, kept ``[S, 1, A]`` for a uniform pytree).
+* ``comp_state_kv[i]`` / ``comp_state_score[i]``: the compressor's pending group per slot, a ring
+  of each slot's last ``M = max(r, spec_tokens + 1)`` positions (position p at p % M), fp32
+  ``[S, M, A]`` (unused for r = 1 sources, kept ``[S, 1, A]`` for a uniform pytree). M > r lets
+  ``cache_undo`` restore a verification row's rejected positions without touching the accepted
+  ones (``CacheConfig.spec_tokens``: the most drafts such a row carries).
 * ``dspark_window[k]``: per DSpark stage, ring of ``kv(main_x)`` per slot ``[S, W, A]``.
 """
 
@@ -38,11 +41,17 @@ class CacheConfig:
     block_tokens: int = 64      # positions per block: a multiple of every ratio and candidate block
     max_blocks_per_seq: int = 16
     index_key_dtype: str = "bf16"  # "bf16" | "fp8" (e5m2 codes + a scale per key; see the module doc)
+    spec_tokens: int = 0        # most drafts a verification row carries (sizes the compressor state ring)
 
     def validate(self, cfg) -> "CacheConfig":
         for f in ("num_slots", "num_blocks", "block_tokens", "max_blocks_per_seq"):
             if getattr(self, f) < 1:
                 raise ValueError(f"CacheConfig.{f}={getattr(self, f)!r}: must be >= 1")
+        if self.spec_tokens < 0:
+            raise ValueError(f"CacheConfig.spec_tokens={self.spec_tokens!r}: must be >= 0")
+        if self.spec_tokens + 1 > cfg.sliding_window:
+            raise ValueError(f"CacheConfig.spec_tokens={self.spec_tokens!r}: a verification row of "
+                             f"spec_tokens + 1 positions must fit the sliding window ({cfg.sliding_window})")
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             raise ValueError(f"CacheConfig.index_key_dtype={self.index_key_dtype!r}: expected one of {INDEX_KEY_DTYPES}")
         problem = block_tokens_problem(cfg, self.block_tokens)
@@ -53,6 +62,10 @@ class CacheConfig:
     @property
     def max_model_len(self) -> int:
         return self.block_tokens * self.max_blocks_per_seq
+
+    def state_positions(self, ratio: int) -> int:
+        """M: positions per slot of a ratio-``ratio`` source's compressor state ring."""
+        return max(ratio, self.spec_tokens + 1) if ratio > 1 else 1
 
 
 @jax.tree_util.register_dataclass
@@ -87,8 +100,9 @@ def allocate_cache(cfg, cc: CacheConfig) -> ModelCache:
         index_k.append(jnp.zeros((cc.num_blocks, P, J), quant.INDEX_KEY_DTYPE if coded else jnp.bfloat16))
         if coded:
             index_s.append(jnp.ones((cc.num_blocks, P), jnp.float32))
-        st_kv.append(jnp.zeros((S, r if r > 1 else 1, A), jnp.float32))
-        st_sc.append(jnp.full((S, r if r > 1 else 1, A), -jnp.inf, jnp.float32))
+        M = cc.state_positions(r)
+        st_kv.append(jnp.zeros((S, M, A), jnp.float32))
+        st_sc.append(jnp.full((S, M, A), -jnp.inf, jnp.float32))
     n_stages = cfg.num_nextn_predict_layers if cfg.dspark_enabled else 0
     dspark = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(n_stages))
     return ModelCache(window=window, comp_kv=tuple(comp_kv), index_k=tuple(index_k), index_k_scale=tuple(index_s),

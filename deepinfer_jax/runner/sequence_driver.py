@@ -65,6 +65,15 @@ class SequenceDriver:
              num_tokens: int | None = None, num_rows: int | None = None):
         """Run one ragged step over ``(slot, new token ids)`` chunks (each continues its slot's
         history). Returns ``(logits [L, V], main_hidden, taps)`` as numpy."""
+        batch = self.batch_for(chunks, logits, num_tokens, num_rows)
+        self.cache, lg, mh, taps = _step(self.graphdef, self.state, self.cache, batch, with_taps)
+        taps = jax.tree.map(np.asarray, taps) if taps is not None else None
+        return np.asarray(lg), (None if mh is None else np.asarray(mh)), taps
+
+    def batch_for(self, chunks: Sequence[tuple[int, Sequence[int]]], logits: str = "last",
+                  num_tokens: int | None = None, num_rows: int | None = None):
+        """The device ``ForwardBatch`` of ``step``'s chunks; appends them to the slots' histories
+        and allocates their blocks (the caller runs the forward)."""
         rows = []
         for slot, toks in chunks:
             hist = self.history.setdefault(slot, [])
@@ -80,10 +89,7 @@ class SequenceDriver:
                             max_blocks=self.cc.max_blocks_per_seq, num_slots=self.cc.num_slots,
                             n_engram_layers=hl.n_layers if hl else 0, n_hash_cols=hl.n_hash_cols if hl else 0,
                             logits=logits)
-        batch = jax.tree.map(jnp.asarray, batch)
-        self.cache, lg, mh, taps = _step(self.graphdef, self.state, self.cache, batch, with_taps)
-        taps = jax.tree.map(np.asarray, taps) if taps is not None else None
-        return np.asarray(lg), (None if mh is None else np.asarray(mh)), taps
+        return jax.tree.map(jnp.asarray, batch)
 
     def draft(self, slots: Sequence[int], input_ids: Sequence[int], with_taps: bool = False):
         """DSpark block for each slot after its last computed position; ``input_ids`` = the token

@@ -3,8 +3,10 @@
 ratio 1: ``latent = norm(wkv x)`` (bf16). ratio r > 1: per channel,
 ``latent = norm(sum_g softmax_g(wgate x_g) * (wkv x_g))`` over the group's tokens, in fp32.
 Group j (positions ``j*r .. j*r+r-1``) completes at its last token; its members computed in an
-earlier step come from the slot's pending state (``comp_state_kv/score``), which keeps each
-row's last r positions.
+earlier step come from the slot's pending state (``comp_state_kv/score``, ``[S, M, A]``), a
+ring that keeps each row's last M >= r positions (position q at slot q % M; M > r when the cache
+is sized for speculative rows, ``CacheConfig.spec_tokens``, so that a rejected draft's slot
+never holds an accepted position; M comes from the array shape).
 """
 
 from __future__ import annotations
@@ -38,20 +40,20 @@ class Compressor(nnx.Module):
         score = self.wgate(x_TD)  # fp32 [T, A]
         st_kv = ctx.cache["comp_state_kv"][src]
         st_sc = ctx.cache["comp_state_score"][src]
-        T = x_TD.shape[0]
+        T, M = x_TD.shape[0], st_kv.shape[1]
         mem_kv, mem_sc = [], []
         for m in range(r):
             q = ctx.pos - (r - 1) + m                         # member position
             t = jnp.clip(jnp.arange(T) - (r - 1) + m, 0, T - 1)  # its token index if fresh
             fresh = q >= ctx.start_T
             slot = jnp.clip(ctx.slot_T, 0, st_kv.shape[0] - 1)
-            mem_kv.append(jnp.where(fresh[:, None], kv[t], st_kv[slot, q % r]))
-            mem_sc.append(jnp.where(fresh[:, None], score[t], st_sc[slot, q % r]))
+            mem_kv.append(jnp.where(fresh[:, None], kv[t], st_kv[slot, q % M]))
+            mem_sc.append(jnp.where(fresh[:, None], score[t], st_sc[slot, q % M]))
         kv_g, sc_g = jnp.stack(mem_kv, 1), jnp.stack(mem_sc, 1)  # [T, r, A]
         latent = jnp.sum(kv_g * jax.nn.softmax(sc_g, axis=1), axis=1)
-        # keep each row's last r positions as the pending group state
-        keep = ctx.valid & (ctx.pos >= ctx.end_T - r)
+        # keep each row's last M positions as the pending group state
+        keep = ctx.valid & (ctx.pos >= ctx.end_T - M)
         s = jnp.where(keep, ctx.slot_T, DROP)
-        ctx.cache["comp_state_kv"][src] = st_kv.at[s, ctx.pos % r].set(kv, mode="drop")
-        ctx.cache["comp_state_score"][src] = st_sc.at[s, ctx.pos % r].set(score, mode="drop")
+        ctx.cache["comp_state_kv"][src] = st_kv.at[s, ctx.pos % M].set(kv, mode="drop")
+        ctx.cache["comp_state_score"][src] = st_sc.at[s, ctx.pos % M].set(score, mode="drop")
         return self.norm(latent.astype(jnp.bfloat16)), done
