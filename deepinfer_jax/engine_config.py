@@ -12,6 +12,21 @@ import math
 
 YOCO_MODES = ("off", "mask", "compact")
 PREFIX_REPLAY_MODES = ("bounded", "exact")
+SPEC_DECODE_MODES = ("off", "dspark")
+SPEC_RULES = ("uniform", "coupled")
+# DeepInfer's switches, accepted as keyword aliases and read from the environment when the field
+# is left at None: DEEPINFER_USE_NEXTN_DECODE=1 -> spec_decode="dspark",
+# DEEPINFER_ENABLE_MTP_VARLEN=0/1 -> spec_varlen
+SPEC_ALIASES = {"DEEPINFER_USE_NEXTN_DECODE": "spec_decode", "DEEPINFER_ENABLE_MTP_VARLEN": "spec_varlen"}
+
+
+def _env_flag(name: str, raw) -> bool:
+    v = str(raw).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 0/1 (or true/false)")
 
 
 def exact_replay_tokens(cfg) -> int:
@@ -33,6 +48,8 @@ _FIELD_TYPES = {
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
     "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
+    "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
+    "spec_rule": ("str", None, False),
 }
 
 
@@ -80,6 +97,15 @@ class EngineConfig:
     dp: int = 1
     cp: int = 1
     precompile: bool = True                # compile every bucket at start-up
+    # --- speculative decoding (FEATURES §4) ---
+    # "dspark": the model's DSpark stages draft a block after every step and the next step
+    # verifies it; None: $DEEPINFER_USE_NEXTN_DECODE (1 -> "dspark"), else "off"
+    spec_decode: str | None = None
+    num_draft_tokens: int | None = None    # drafts a verification row carries at most; default the model's block
+    # confidence-scheduled variable-length verification (Algorithm 1); False: always the full
+    # num_draft_tokens. None: $DEEPINFER_ENABLE_MTP_VARLEN, else True
+    spec_varlen: bool | None = None
+    spec_rule: str = "uniform"             # rejection rule of sampled rows (sampling/spec_verify.py)
 
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
@@ -167,10 +193,42 @@ class EngineConfig:
         dec = tuple(sorted(set(int(b) for b in (self.decoder_buckets or buckets))))
         if dec[0] < 1:
             self._bad("decoder_buckets", "sizes must be >= 1")
+        spec, n_draft, varlen = self._resolve_spec(cfg)
         return dataclasses.replace(self, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
                                    enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
-                                   decoder_buckets=dec)
+                                   decoder_buckets=dec, spec_decode=spec, num_draft_tokens=n_draft,
+                                   spec_varlen=varlen)
+
+    def _resolve_spec(self, cfg) -> tuple[str, int, bool]:
+        import os
+
+        spec = self.spec_decode
+        if spec is None:
+            env = os.environ.get("DEEPINFER_USE_NEXTN_DECODE")
+            spec = "dspark" if env is not None and _env_flag("DEEPINFER_USE_NEXTN_DECODE", env) else "off"
+        if spec not in SPEC_DECODE_MODES:
+            self._bad("spec_decode", f"expected one of {SPEC_DECODE_MODES} (or None)")
+        if self.spec_rule not in SPEC_RULES:
+            self._bad("spec_rule", f"expected one of {SPEC_RULES}")
+        varlen = self.spec_varlen
+        if varlen is None:
+            env = os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN")
+            varlen = True if env is None else _env_flag("DEEPINFER_ENABLE_MTP_VARLEN", env)
+        if spec == "off":
+            return spec, self.num_draft_tokens or 0, varlen
+        if not cfg.dspark_enabled:
+            self._bad("spec_decode", "the model has no DSpark stages (num_nextn_predict_layers=0 or dspark_block_size=0)")
+        blk = cfg.dspark_block_size
+        n = self.num_draft_tokens if self.num_draft_tokens is not None else blk
+        if n > blk:
+            self._bad("num_draft_tokens", f"must be <= the model's dspark_block_size ({blk})")
+        if n > self.max_backtracking_tokens:
+            self._bad("max_backtracking_tokens", f"must be >= num_draft_tokens ({n}): a rejection rolls back that many positions")
+        if n + 1 > cfg.sliding_window:
+            self._bad("num_draft_tokens", f"a verification row (num_draft_tokens + 1 = {n + 1}) must fit the "
+                                          f"sliding window ({cfg.sliding_window})")
+        return spec, n, varlen
 
     def _replay_tokens(self, cfg, max_len: int, bt: int) -> tuple[int, bool]:
         """(the resolved replay tail, whether prefix caching stays on). A setting the user gave
@@ -228,6 +286,12 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kw) -> "EngineConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        for alias, field in SPEC_ALIASES.items():
+            if alias in kw:
+                if field in kw:
+                    raise ValueError(f"engine config: both {alias} and its field {field} given")
+                on = _env_flag(alias, kw.pop(alias))
+                kw[field] = ("dspark" if on else "off") if field == "spec_decode" else on
         unknown = sorted(set(kw) - names)
         if unknown:
             raise ValueError(f"unknown engine config field(s) {unknown}; known: {sorted(names)}")

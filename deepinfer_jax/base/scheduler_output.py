@@ -37,6 +37,9 @@ class ScheduledRow:
     # Engram: known tokens of [max(start - history_tokens, 0), start + known), known = the row's
     # tokens less the placeholder; None when the scheduler's history_tokens is 0
     history: list[int] | None
+    # speculative decoding: the row's last num_drafts tokens are drafts to verify (the token
+    # before them is the request's newest known token); 0 = a plain row
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +47,8 @@ class ScheduledRow:
 
     @property
     def sample_position(self) -> int:
-        """Position of the token sampled by this row."""
-        return self.start + len(self.token_ids)
+        """Position of the token sampled by this row (of its first verification slot)."""
+        return self.start + len(self.token_ids) - self.num_drafts
 
     @property
     def num_decoder_tokens(self) -> int:
@@ -76,6 +79,10 @@ class SchedulerOutput:
     @property
     def num_decoder_tokens(self) -> int:
         return sum(r.num_decoder_tokens for r in self.rows)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(r.num_drafts for r in self.rows)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

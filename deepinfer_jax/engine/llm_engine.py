@@ -82,6 +82,18 @@ class LLMEngine:
         # scheduler handed to the prefix cache were never written (abort_all resets the cache)
         self._undispatched = False
         self._rng = np.random.default_rng(ec.seed)
+        # speculative decoding runs each step's results before planning the next: the next
+        # verification row needs the drafts this step proposes (FEATURES §4)
+        self.spec = getattr(ec, "spec_decode", "off") == "dspark"
+        self.forward_estimator = None
+        if self.spec and ec.spec_varlen and getattr(runner, "bucket_seconds", None):
+            from deepinfer_jax.host_scheduler.spec_varlen import ForwardRuntimeEstimator
+            from deepinfer_jax.runner.step_inputs import pick_bucket
+
+            est = self.forward_estimator = ForwardRuntimeEstimator(sorted(runner.bucket_seconds.items()))
+            buckets = ec.token_buckets
+            # the step runs at its padded bucket: SPS(B) is the bucket's rate
+            self.scheduler.spec_sps = lambda B: est.sps(pick_bucket(min(int(B), buckets[-1]), buckets))
 
     # ------------------------------------------------------------------ requests
     def check_requests(self, requests: Sequence[tuple], labels: Sequence | None = None) -> list[CheckedRequest]:
@@ -198,7 +210,7 @@ class LLMEngine:
             handle.host_time = time.perf_counter() - t0
         finished: list[RequestOutput] = []
         progressed = handle is not None
-        if self.ec.async_scheduling:
+        if self.ec.async_scheduling and not self.spec:
             prev, self._inflight = self._inflight, handle
             if prev is not None:
                 progressed = True  # its results may finish requests and free slots / blocks
@@ -222,15 +234,21 @@ class LLMEngine:
             req = st.request if st is not None else None
             if req is None or req.status.finished or row.epoch != req.epoch:
                 continue  # a dropped result (finished, aborted or preempted since planned)
-            if row.sample and not np.isfinite(res.logprob[i]):
+            lp = res.logprob[i] if res.logprob.ndim == 1 else res.logprob[i, :int(res.num_accepted[i]) + 1]
+            if row.sample and not np.isfinite(lp).all():
+                tok = res.token_ids[i] if res.token_ids.ndim == 1 else res.token_ids[i, :len(lp)]
                 raise RuntimeError(f"request {st.parent_id!r} (sample {st.index}): step {sched.step_id} sampled "
-                                   f"token {int(res.token_ids[i])} with logprob {float(res.logprob[i])}: the model's "
+                                   f"token(s) {np.asarray(tok).tolist()} with logprob(s) {np.asarray(lp).tolist()}: the model's "
                                    "outputs are not finite (e.g. NaN weights)")
 
     def _apply(self, handle, res) -> list[RequestOutput]:
         sched = handle.sched
         done_groups = []
         now = time.monotonic()
+        spec = getattr(handle, "spec", False)
+        K = getattr(self.scheduler, "num_draft_tokens", 0)
+        verified, accepted, proposed = 0, 0, 0
+        spec_rows, acc_pos = 0, [0] * K
         for i, row in enumerate(sched.rows):
             st = self._states.get(row.request_id)
             req = st.request if st is not None else None
@@ -248,9 +266,36 @@ class LLMEngine:
             req.num_pending -= 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self.outputs.add_token(st, int(res.token_ids[i]), float(res.logprob[i]),
-                                            res.top_ids[i], res.top_logprobs[i])
-            self.stats.generated_tokens += 1
+            if spec:
+                a = int(res.num_accepted[i])
+                self.scheduler.commit_verification(req, row.num_drafts, a)
+                if row.num_drafts:
+                    spec_rows += 1
+                    verified += row.num_drafts
+                    accepted += a
+                    for j in range(a):
+                        acc_pos[j] += 1
+                    req.num_drafts_accepted += a
+                    pp = req.drafts_accepted_per_position
+                    pp.extend([0] * (K - len(pp)))
+                    for j in range(a):
+                        pp[j] += 1
+                status = None
+                for j, t in enumerate(res.emitted(i)):
+                    status = self.outputs.add_token(st, t, float(res.logprob[i, j]), res.top_ids[i, j],
+                                                    res.top_logprobs[i, j])
+                    self.stats.generated_tokens += 1
+                    if status is not None:
+                        break
+                if status is None:  # the next verification row's drafts
+                    req.draft_token_ids = [int(t) for t in res.draft_ids[i]]
+                    req.draft_confidence = [float(c) for c in res.draft_conf[i]]
+                    req.num_drafts_proposed += len(req.draft_token_ids)
+                    proposed += len(req.draft_token_ids)
+            else:
+                status = self.outputs.add_token(st, int(res.token_ids[i]), float(res.logprob[i]),
+                                                res.top_ids[i], res.top_logprobs[i])
+                self.stats.generated_tokens += 1
             if status is not None:
                 self.outputs.finish_text(st, status)
                 self.scheduler.finish(req, status)
@@ -262,7 +307,11 @@ class LLMEngine:
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_rows=len(sched.rows), step_time_s=handle.t_done - handle.t_dispatch,
             host_time_s=handle.host_time, cache_hit_tokens=sched.cache_hit_tokens,
-            preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait)))
+            preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait),
+            spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,
+            drafts_accepted_per_position=acc_pos))
+        if self.forward_estimator is not None:
+            self.forward_estimator.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
         out = [self._request_output(g) for g in done_groups]
         self._forget(done_groups)
         self.stats.finished_requests += len(done_groups)

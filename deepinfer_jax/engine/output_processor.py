@@ -106,7 +106,10 @@ class OutputProcessor:
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time, finished_time=req.finished_time,
             time_in_queue=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None,
-            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions)
+            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
+            draft_tokens_proposed=req.num_drafts_proposed, draft_tokens_accepted=req.num_drafts_accepted,
+            draft_tokens_verified=req.num_drafts_verified,
+            draft_accepted_per_position=list(req.drafts_accepted_per_position))
         return CompletionOutput(st.index, st.text, list(req.output_token_ids),
                                 st.cumulative_logprob if (st.logprobs is not None) else None,
                                 st.logprobs, fr, req.stop_reason, metrics)

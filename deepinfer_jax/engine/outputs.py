@@ -23,8 +23,12 @@ class RequestMetrics:
     time_in_queue: float | None
     num_cached_tokens: int            # prompt tokens the prefix cache saved (cached length minus replayed)
     num_preemptions: int
-    draft_tokens_proposed: int = 0    # speculative decoding (not in this engine's offline path yet)
+    # speculative decoding: drafts the DSpark stages proposed, that verification rows carried,
+    # and that were accepted (in all, and per draft position)
+    draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    draft_tokens_verified: int = 0
+    draft_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

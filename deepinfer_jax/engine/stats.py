@@ -28,6 +28,13 @@ class StepStats:
     cache_hit_tokens: int
     preemptions: int
     queue_wait_s: list[float]
+    # speculative decoding: verification rows (rows with drafts), drafts they carried and
+    # accepted, accepted drafts per draft position
+    spec_rows: int = 0
+    drafts_proposed: int = 0
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
+    drafts_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
 
 class StatsLogger:
@@ -53,6 +60,12 @@ class StatsLogger:
         pad = sum(s.bucket_tokens for s in st)
         pct = (lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0)
         wall = self.wall_time_s or 1e-9
+        spec_rows = sum(s.spec_rows for s in st)
+        verified = sum(s.drafts_verified for s in st)
+        accepted = sum(s.drafts_accepted for s in st)
+        n_pos = max((len(s.drafts_accepted_per_position) for s in st), default=0)
+        per_pos = [sum(s.drafts_accepted_per_position[j] for s in st if j < len(s.drafts_accepted_per_position))
+                   for j in range(n_pos)]
         return {
             "steps": len(st),
             "requests": self.finished_requests,
@@ -73,6 +86,15 @@ class StatsLogger:
             "host_time_mean_s": statistics.fmean([s.host_time_s for s in st]) if st else 0.0,
             "queue_wait_mean_s": statistics.fmean(waits) if waits else 0.0,
             "kernel_fallbacks": dict(self.kernel_fallbacks),
+            # speculative decoding: tokens per verification row (accepted drafts + the
+            # correction / bonus), drafts verified and accepted, accepted drafts per position
+            "spec_rows": spec_rows,
+            "drafts_proposed": sum(s.drafts_proposed for s in st),
+            "drafts_verified": verified,
+            "drafts_accepted": accepted,
+            "draft_acceptance_rate": accepted / verified if verified else 0.0,
+            "mean_accepted_length": 1 + accepted / spec_rows if spec_rows else 0.0,
+            "drafts_accepted_per_position": per_pos,
         }
 
     def summary_line(self) -> str:
@@ -82,6 +104,8 @@ class StatsLogger:
                 f"{s['total_tokens_per_s']:.1f} tok/s total; {s['steps']} steps "
                 f"(p50 {1e3 * s['step_time_p50_s']:.1f} ms), cache hits {s['cache_hit_tokens']} tok, "
                 f"{s['preemptions']} preemptions"
+                + (f"; DSpark: mean accepted length {s['mean_accepted_length']:.2f} "
+                   f"({s['drafts_accepted']}/{s['drafts_verified']} drafts accepted)" if s["spec_rows"] else "")
                 + (f"; kernels on the reference: {'; '.join(s['kernel_fallbacks'])}" if s["kernel_fallbacks"] else ""))
 
     def to_json(self, path: str) -> None:

@@ -57,12 +57,19 @@ class Request:
     cache_start: int = 0              # first position whose compressed entries this request writes
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full known blocks
     num_registered_blocks: int = 0    # blocks handed to the prefix cache
+    # --- speculative decoding (sync: the newest step's drafts for the next verification) ---
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    draft_confidence: list[float] = dataclasses.field(default_factory=list)  # logits, per draft
     # --- metrics ---
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0        # prompt tokens the prefix cache saved: the replay start (first admission)
     num_preemptions: int = 0
+    num_drafts_proposed: int = 0      # drafts the DSpark stages produced for this request
+    num_drafts_verified: int = 0      # drafts scheduled into verification rows
+    num_drafts_accepted: int = 0
+    drafts_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

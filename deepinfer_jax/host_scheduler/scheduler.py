@@ -50,9 +50,12 @@ from __future__ import annotations
 import collections
 import time
 
+import numpy as np
+
 from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.slot_pool import SlotPool
+from deepinfer_jax.host_scheduler.spec_varlen import plan_varlen
 from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  # noqa: F401  (re-exported)
 
 
@@ -71,6 +74,12 @@ class Scheduler:
         self.next_step_id = 0
         self.num_preemptions = 0
         self._next_epoch = 0
+        # speculative decoding: drafts per verification row (0 = off); varlen planning needs
+        # ``spec_sps`` (step tokens -> steps per second), set by the engine from the runner
+        self.num_draft_tokens = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
+        self.spec_varlen = bool(getattr(ec, "spec_varlen", False))
+        self.spec_sps = None
+        self._draft_plan: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -112,6 +121,7 @@ class Scheduler:
         budget = self.ec.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
+        self._draft_plan = self._plan_drafts(budget) if self.num_draft_tokens else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -159,7 +169,42 @@ class Scheduler:
         p = req.params
         if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
             return 0  # the in-flight samples will finish it
-        return 1
+        return 1 + min(self._draft_plan.get(req.request_id, 0), budget - 1)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def draft_cap(self, req: Request) -> int:
+        """Drafts the request's next verification row may carry: its drafts, at most
+        ``num_draft_tokens``, none while ``min_tokens`` bans tokens (the bans would differ per
+        slot), none while a sample is in flight, and no more than ``max_tokens`` and
+        ``max_model_len`` leave room for (every accepted draft plus the correction is output)."""
+        p = req.params
+        if (req.num_pending or not req.draft_token_ids or req.num_computed != req.num_tokens - 1
+                or len(req.output_token_ids) < p.min_tokens):
+            return 0
+        return max(0, min(self.num_draft_tokens, len(req.draft_token_ids), p.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _plan_drafts(self, budget: int) -> dict[str, int]:
+        """request id -> drafts of its verification row this step: the cap (fixed length) or
+        Algorithm 1 over the decode rows' confidences (``spec_varlen``)."""
+        caps = {r.request_id: self.draft_cap(r) for r in self.running}
+        caps = {k: v for k, v in caps.items() if v > 0}
+        if not caps or not self.spec_varlen or self.spec_sps is None:
+            return caps
+        decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
+        K = self.num_draft_tokens
+        conf = np.zeros((len(decoding), K))
+        for i, r in enumerate(decoding):
+            c = caps.get(r.request_id, 0)
+            if c:
+                conf[i, :c] = 1.0 / (1.0 + np.exp(-np.asarray(r.draft_confidence[:c], np.float64)))
+        lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget)
+        return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
+
+    def commit_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a verification row's results: the rejected drafts' positions are no longer
+        computed (the device rolled their cache writes back)."""
+        req.num_computed -= num_drafts - num_accepted
 
     def _blocks_needed(self, end: int) -> int:
         return -(-end // self.ec.block_tokens)
@@ -205,8 +250,11 @@ class Scheduler:
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         start = req.num_computed
+        n_draft = 0
+        if n > 1 and start == req.num_tokens - 1 and not req.num_pending and req.request_id in self._draft_plan:
+            n_draft = n - 1  # a verification row: the newest token, then the drafts
         toks, prev_row = [], -1
-        for p in range(start, start + n):
+        for p in range(start, start + n - n_draft):
             t = req.token_at(p)
             if t is None:
                 if p != start + n - 1 or req.last_sample is None or req.last_sample[0] != step - 1:
@@ -214,9 +262,11 @@ class Scheduler:
                                          f"the previous step's sample ({req.last_sample})")
                 prev_row, t = req.last_sample[1], -1
             toks.append(t)
+        toks += req.draft_token_ids[:n_draft]
         was_prefill = req.is_prefill
         req.num_computed += n
-        sample = req.num_computed == req.num_tokens_planned
+        sample = req.num_computed - n_draft == req.num_tokens_planned
+        req.num_drafts_verified += n_draft
         banned: list[int] = []
         if sample:
             req.num_pending += 1
@@ -232,14 +282,15 @@ class Scheduler:
         history = None
         if self.history_tokens:
             known = n - (1 if prev_row >= 0 else 0)
-            history = req.known_tokens(max(start - self.history_tokens, 0), start + known)
+            history = req.known_tokens(max(start - self.history_tokens, 0), start + known - n_draft)
+            history += req.draft_token_ids[:n_draft]
         self._register_blocks(req)
         return ScheduledRow(
             request_id=req.request_id, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row,
             sample=sample, slot=req.slot, blocks=list(req.blocks), floor=req.floor,
             dec_floor=max(req.floor, req.dec_floor), cache_start=req.cache_start, is_prefill=was_prefill,
             params=req.params, seed=req.seed, banned=banned, prompt_logprobs=want_plp,
-            prompt_targets=targets, history=history)
+            prompt_targets=targets, history=history, num_drafts=n_draft)
 
     # ------------------------------------------------------------------ cache bookkeeping
     def _update_hashes(self, req: Request) -> None:
@@ -270,6 +321,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed = req.num_pending = 0
         req.last_sample = None
+        req.draft_token_ids, req.draft_confidence = [], []
         req.num_registered_blocks = 0
         req.epoch = self._new_epoch()
         req.num_preemptions += 1

@@ -29,6 +29,7 @@ from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
+from deepinfer_jax.runner.spec_step import SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import sample
 
@@ -68,17 +69,22 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
 _STEP_FNS: dict = {}
 
 
-def step_function(graphdef, state_treedef):
+def step_function(graphdef, state_treedef, spec: bool = False):
     """The jitted step of one model structure. The graphdef and the state's tree structure are
     closed over (hashed once here, not at every call) and the weights travel as a flat list of
     arrays: per-call dispatch cost stays independent of the model's module tree. Runners of
     equal models share the function and so its compiled buckets; the kernel choice is a static
     argument, so runners that differ in it compile (and run) their own."""
-    key = (graphdef, state_treedef)
+    key = (graphdef, state_treedef, spec)
     fn = _STEP_FNS.get(key)
     if fn is None:
-        fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
-                     static_argnames=("num_logprobs", "prompt_lp", "kernels"), donate_argnames=("cache",))
+        if spec:  # runner/spec_step.py: verify, roll back, draft
+            fn = jax.jit(functools.partial(spec_step_impl, graphdef, state_treedef),
+                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule"),
+                         donate_argnames=("cache",))
+        else:
+            fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
+                         static_argnames=("num_logprobs", "prompt_lp", "kernels"), donate_argnames=("cache",))
         _STEP_FNS[key] = fn
     return fn
 
@@ -100,18 +106,23 @@ class StepResult:
 class StepHandle:
     """A dispatched step: its plan, padded size, dispatch time and (after ``fetch``) done time."""
 
-    def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int):
+    def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int, spec: bool = False):
         self.sched, self._out, self._plp, self._offsets = sched, out, plp, offsets
+        self.spec = spec
         self.t_dispatch, self.bucket_tokens = t_dispatch, bucket_tokens
         self.t_done: float | None = None
         self.host_time = 0.0  # the engine's planning + input building + dispatch time
         for a in jax.tree.leaves((out, plp)):
             a.copy_to_host_async()
 
-    def fetch(self) -> StepResult:
+    def fetch(self) -> StepResult | SpecStepResult:
         o = jax.device_get(self._out)
         p = jax.device_get(self._plp) if self._plp is not None else (None, None, None)
         self.t_done = time.perf_counter()
+        if self.spec:
+            return SpecStepResult(*(np.asarray(x) for x in (o.num_accepted, o.token_ids, o.logprob, o.top_ids,
+                                                            o.top_logprobs, o.draft_ids, o.draft_conf)),
+                                  *p, self._offsets)
         return StepResult(np.asarray(o.token_ids), np.asarray(o.logprob), np.asarray(o.top_ids),
                           np.asarray(o.top_logprobs), *p, self._offsets)
 
@@ -134,9 +145,13 @@ class ModelRunner:
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
         self._step = step_function(self.graphdef, state_treedef)
+        # speculative decoding: verification rows of 1 + spec_slots tokens (0 = off)
+        self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
+        if self.spec_slots:
+            self._spec_step = step_function(self.graphdef, state_treedef, spec=True)
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
-                                        index_key_dtype=ec.index_key_dtype)
+                                        index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
         self.cache = allocate_cache(self.cfg, self.cache_config)
         if mesh is not None:
             from deepinfer_jax.sharding.partition import shard_cache
@@ -152,6 +167,7 @@ class ModelRunner:
         self.num_rows = ec.max_num_seqs
         self.prev_sampled = jnp.zeros((self.num_rows,), jnp.int32)
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
+        self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
 
     def kernel_fallbacks(self) -> dict[str, int]:
         """Ops whose kernel ran the jnp reference in a trace ("op: reason" -> traced calls; the
@@ -186,8 +202,17 @@ class ModelRunner:
         prompt_lp = sched.wants_prompt_logprobs
         inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
-                               prompt_lp=prompt_lp)
+                               prompt_lp=prompt_lp, spec_slots=self.spec_slots)
         t0 = time.perf_counter()
+        offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
+        if self.spec_slots:
+            if any(r.prev_row >= 0 for r in sched.rows):
+                raise ValueError("speculative steps take no placeholders (the engine runs them synchronously)")
+            with jax.set_mesh(self.trace_mesh), deferred_interrupts():
+                self.cache, out, plp = self._spec_step(
+                    self.state_leaves, self.cache, inp, self.engram_tables, num_logprobs=self.ec.max_logprobs,
+                    prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule)
+            return StepHandle(sched, out, plp, offsets, t0, T, spec=True)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
         # cache: a KeyboardInterrupt between the call and the store would leave ``self.cache``
@@ -196,7 +221,6 @@ class ModelRunner:
             self.cache, out, plp, self.prev_sampled = self._step(
                 self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
                 num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels)
-        offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         return StepHandle(sched, out, plp, offsets, t0, T)
 
     def execute(self, sched) -> StepHandle:
@@ -215,4 +239,28 @@ class ModelRunner:
         for v in tqdm(variants[:1] + variants, desc="compiling steps", disable=not progress):
             h = self._dispatch(empty, *v)
             h.fetch()
+        if self.spec_slots:
+            self.profile_buckets()
         return time.perf_counter() - t0
+
+    def profile_buckets(self, repeats: int = 2) -> dict[int, float]:
+        """Seconds of one (padding-only) step at each token bucket, the fastest of ``repeats``
+        runs of its compiled variant with the most rows: the start-up curve of the varlen
+        planner's SPS (speculative decoding). Stored as ``bucket_seconds``."""
+        from deepinfer_jax.base.scheduler_output import SchedulerOutput
+
+        empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
+        out = {}
+        for T in self.ec.token_buckets:
+            vs = [v for v in self.variants() if v[0] == T]
+            if not vs:
+                continue
+            v = max(vs, key=lambda v: (v[1], v[2] or 0))
+            best = float("inf")
+            for _ in range(repeats):
+                h = self._dispatch(empty, *v)
+                h.fetch()
+                best = min(best, h.t_done - h.t_dispatch)
+            out[T] = best
+        self.bucket_seconds = out
+        return out

@@ -5,6 +5,11 @@ optionally T' decoder tokens (compact YOCO truncation). Every row gets one logit
 the sampler); rows that do not sample are padding for the sampler. With prompt logprobs the
 logits rows continue with one row per flat token (``R + T`` in all).
 
+Verification rows (speculative decoding, ``spec_slots = K > 0``): every row gets K+1 logits rows
+(``R*(K+1)`` sampler slots in all, row r's slot i at the token of its i-th verification position,
+slots past the row's drafts repeat its last token) and ``draft_RK`` / ``num_drafts_R`` carry the
+drafts being judged.
+
 Placeholders: a decode token sampled by the previous step is not known here; its entry in
 ``prev_row`` names the previous step's logits row and the device substitutes the id (and, with
 Engram, finishes its hash from ``engram_partials``).
@@ -31,6 +36,8 @@ class StepInput:
     prev_row: jax.Array                     # int32 [T]: previous step's logits row, -1 = known id
     engram_partials: jax.Array | None       # uint32 [T, n_engram_layers, K-1, 2] (placeholders only)
     prompt_targets: jax.Array | None        # int32 [T]: next prompt token of each flat token
+    draft_RK: jax.Array | None = None       # int32 [R, K]: verification rows' drafts (spec steps)
+    num_drafts_R: jax.Array | None = None   # int32 [R]: drafts of each row, 0..K
 
 
 NUM_BANNED = 8  # banned ids per sampler row (EOS + stop ids under min_tokens); more recompiles
@@ -45,7 +52,7 @@ def pick_bucket(n: int, buckets) -> int:
 
 
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
-                     cache_config, hasher, vocab: int, prompt_lp: bool) -> StepInput:
+                     cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0) -> StepInput:
     """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes."""
     specs, prev = [], np.full(num_tokens, -1, np.int32)
     n_layers = hasher.n_layers if hasher is not None else 0
@@ -56,6 +63,9 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     logit_rows = []
     plp_rows = np.full(num_tokens, -1, np.int64)
     sample_rows = []
+    K = spec_slots
+    drafts = np.zeros((num_rows, K), np.int32) if K else None
+    n_drafts = np.zeros(num_rows, np.int32) if K else None
     o = 0
     for i, r in enumerate(sched.rows):
         n = r.num_tokens
@@ -80,7 +90,17 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             toks[-1] = 0
         specs.append(RowSpec(toks, r.start, r.slot, r.blocks, eids, floor=r.floor, dec_floor=r.dec_floor,
                              cache_start=r.cache_start))
-        logit_rows.append(o + n - 1 if r.sample else -1)
+        if K:
+            l = r.num_drafts
+            if l > K:
+                raise ValueError(f"row of request {r.request_id!r}: {l} drafts > spec_slots={K}")
+            first = o + n - 1 - l
+            logit_rows += [first + min(j, l) if r.sample else -1 for j in range(K + 1)]
+            if l:
+                drafts[i, :l] = r.token_ids[n - l:]
+                n_drafts[i] = l
+        else:
+            logit_rows.append(o + n - 1 if r.sample else -1)
         if prompt_lp and r.prompt_logprobs:
             m = len(r.prompt_targets)  # tokens whose next token is in the prompt
             plp_rows[o:o + m] = np.arange(o, o + m)
@@ -88,7 +108,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         if r.sample:
             sample_rows.append((i, SampleRow(r.params, r.seed, r.sample_position, tuple(r.banned))))
         o += n
-    logit_rows += [-1] * (num_rows - len(logit_rows))
+    logit_rows += [-1] * (num_rows * (K + 1) - len(logit_rows))
     if prompt_lp:
         logit_rows += [int(t) for t in plp_rows]
     cc = cache_config
@@ -103,4 +123,4 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     sampling = build_sampling_batch(rows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
-    return StepInput(batch, sampling, prev, partials, targets)
+    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts)

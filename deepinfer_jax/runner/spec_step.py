@@ -1,0 +1,109 @@
+"""The jitted step of speculative (DSpark) decoding: verify, roll back, draft, in one program.
+
+Rows carry ``1 + l_r`` tokens: the request's newest token ``y`` and the ``l_r`` drafts the
+previous step proposed (``0 <= l_r <= K``; prefill chunks and rows without drafts have
+``l_r = 0``). One call:
+
+1. records the cache locations every token of the step will write (``cache_undo.record_undo``);
+2. runs the target forward with logits at every verification slot (``K + 1`` per row);
+3. verifies the drafts on the device (``sampling/spec_verify.verify_drafts``: greedy acceptance,
+   lossless rejection sampling for sampled rows, seeded by (request seed, position));
+4. rolls back the writes of each row's rejected drafts (``apply_undo``): the cache is what a run
+   that never proposed them holds;
+5. drafts the next block for every row from its last accepted position (the DSpark stages read
+   their rings, which step 4 already restored) with the correction / bonus token as input.
+
+The host receives the emitted tokens (``a_r + 1`` per row), the next drafts and their
+confidence logits; there is no other host round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.models.cache_undo import apply_undo, fence, record_undo
+from deepinfer_jax.sampling.spec_verify import verify_drafts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStepOutput:
+    num_accepted: jax.Array   # int32 [R]
+    token_ids: jax.Array      # int32 [R, K+1]: accepted drafts, then the correction / bonus
+    logprob: jax.Array        # f32 [R, K+1]
+    top_ids: jax.Array        # int32 [R, K+1, N]
+    top_logprobs: jax.Array   # f32 [R, K+1, N]
+    draft_ids: jax.Array      # int32 [R, K]: the next block's drafts
+    draft_conf: jax.Array     # f32 [R, K]: their confidence logits
+
+
+def spec_step_impl(graphdef, state_treedef, state_leaves, cache, inp, engram_tables, *,
+                   num_logprobs: int, prompt_lp: bool, kernels: str, spec_slots: int, rule: str):
+    with ops.use_backend(kernels):
+        return _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs, prompt_lp,
+                          spec_slots, rule)
+
+
+def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -> jax.Array:
+    """bool ``[T]``: the tokens that are drafts past their row's accepted prefix."""
+    row = batch.token_row
+    j = jnp.arange(batch.token_ids.shape[0]) - batch.row_token_offset[row]
+    first = batch.row_len[row] - 1 - num_drafts_R[row]  # offset of the row's newest known token
+    return batch.token_valid & (j > first + num_accepted_R[row])
+
+
+def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs: int, prompt_lp: bool,
+               K: int, rule: str):
+    b = inp.batch
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
+    cfg = model.cfg
+    bt = cache.comp_kv[0].shape[1] * cfg.compress_ratios[cfg.kv_source_layer_ids[0]] if cfg.kv_source_layer_ids else 1
+    undo = record_undo(cache, b, bt, cfg)
+    cache, undo = fence(cache, undo)  # the log's reads before the forward's in-place writes
+    cache, logits, _ = model(cache, b)
+    R = inp.sampling.temperature.shape[0]
+    K1 = K + 1
+    V = logits.shape[-1]
+    ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, inp.sampling,
+                        num_logprobs=num_logprobs, rule=rule)
+    cache = apply_undo(cache, undo, rejected_tokens(b, inp.num_drafts_R, ver.num_accepted))
+    # the next block: the last emitted token is the input, the last accepted position the context
+    last_tok = jnp.take_along_axis(ver.token_ids, ver.num_accepted[:, None], axis=1)[:, 0]
+    first_pos = b.row_start[:R] + b.row_len[:R] - 1 - inp.num_drafts_R
+    last_pos = first_pos + ver.num_accepted
+    nxt = model.draft(cache, jnp.maximum(last_tok, 0), last_pos, b.row_slot[:R])
+    out = SpecStepOutput(ver.num_accepted, ver.token_ids, ver.logprob, ver.top_ids, ver.top_logprobs,
+                         nxt.token_ids[:, 1:1 + K], nxt.confidence[:, :K].astype(jnp.float32))
+    plp = None
+    if prompt_lp:
+        lp = jax.nn.log_softmax(logits[R * K1:], axis=-1)
+        tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
+        plp = (tgt, top_ids.astype(jnp.int32), top_lp)
+    return cache, out, plp
+
+
+@dataclasses.dataclass
+class SpecStepResult:
+    """Host copies of a spec step's outputs (rows as in its ``SchedulerOutput``)."""
+
+    num_accepted: np.ndarray   # int32 [R]
+    token_ids: np.ndarray      # int32 [R, K+1]
+    logprob: np.ndarray        # f32 [R, K+1]
+    top_ids: np.ndarray        # int32 [R, K+1, N]
+    top_logprobs: np.ndarray   # f32 [R, K+1, N]
+    draft_ids: np.ndarray      # int32 [R, K]
+    draft_conf: np.ndarray     # f32 [R, K]
+    prompt_target_lp: np.ndarray | None
+    prompt_top_ids: np.ndarray | None
+    prompt_top_lp: np.ndarray | None
+    token_offsets: list[int]
+
+    def emitted(self, i: int) -> list[int]:
+        return [int(t) for t in self.token_ids[i, :int(self.num_accepted[i]) + 1]]

@@ -1,0 +1,198 @@
+"""DSpark speculative decoding in the engine (CPU), on the shipped trained model, whose drafts
+are often accepted: greedy output with speculation equals greedy output without it, token for
+token, under chunked prefill, preemption and prefix-cache hits, for fixed-length and varlen
+verification; seeded sampling stays reproducible; the counters add up; bad settings are refused.
+
+Every engine runs one token bucket, so every step has one padded shape (on CPU XLA's results can
+depend on a step's shape; see tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.models.registry import DEFAULT_MODEL
+
+# 8 running requests, 128-token steps (prompts of up to ~250 tokens are chunked)
+BASE = dict(max_num_seqs=8, max_num_batched_tokens=128, token_buckets=(128,), max_model_len=384,
+            prefix_replay_tokens=64, progress=False)
+# 20 blocks of 64 positions: 8 requests of up to ~280 positions do not fit at once, so some are
+# preempted. A preempted request that re-enters through a prefix-cache hit replays a bounded
+# tail (an approximation, FEATURES §5) wherever the schedule put it, so these runs keep the
+# prefix cache off; prefix hits are tested on a schedule both runs share
+PREEMPT = dict(BASE, num_blocks=20, enable_prefix_caching=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SRC = pathlib.Path(__file__).resolve().parents[1] / "deepinfer_jax"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+def make_prompts():
+    """16 prompts cut from the project's own Python (never in the model's training data); the
+    last four share a 192-token prefix with the first (prefix-cache hits)."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.registry import resolve_model
+    from deepinfer_jax.tokenizer.loader import load_tokenizer
+
+    d = resolve_model(DEFAULT_MODEL, progress=False)
+    cfg = ModelConfig.from_json(d)
+    tok = load_tokenizer(d, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    files = sorted(f for f in SRC.rglob("*.py") if f.stat().st_size > 4000)
+    rng = np.random.default_rng(5)
+    out = []
+    for f in rng.choice(files, size=12, replace=False):
+        ids = tok.encode(f.read_text())
+        n = int(rng.integers(40, 250))
+        s = int(rng.integers(0, max(1, len(ids) - n)))
+        out.append(ids[s:s + n])
+    base = (out[0] * 5)[:192]
+    out += [base + ids[:k] for ids, k in zip(out[1:5], (3, 17, 40, 64))]
+    return out
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def fresh(llm):
+    """The engine with an empty prefix cache and fresh stats: a hit replays a bounded tail (an
+    approximation), so runs compared token for token start from the same cache contents."""
+    assert llm.engine.scheduler.pool.reset_prefix_cache()
+    llm.stats.reset()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def plain_preempt(prompts):
+    llm = LLM(DEFAULT_MODEL, **PREEMPT)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return tokens(outs), llm.stats.summary()
+
+
+@pytest.fixture(scope="module")
+def spec_fixed():
+    return LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=False, **BASE)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(DEFAULT_MODEL, **BASE)
+
+
+@pytest.mark.parametrize("varlen,async_scheduling", [(False, True), (True, False)])
+def test_greedy_with_speculation_equals_without(prompts, plain_preempt, varlen, async_scheduling):
+    """Chunked prompts and preemptions; fixed-length and varlen verification."""
+    ref, ref_summary = plain_preempt
+    llm = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=varlen, async_scheduling=async_scheduling,
+              **PREEMPT)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    s = llm.stats.summary()
+    assert tokens(outs) == ref
+    # the run exercised what it claims to
+    assert any(len(p) > BASE["max_num_batched_tokens"] for p in prompts)
+    assert s["preemptions"] > 0
+    assert s["drafts_accepted"] > 0 and s["drafts_verified"] > s["drafts_accepted"]  # accepts and rejects
+    assert s["mean_accepted_length"] == pytest.approx(1 + s["drafts_accepted"] / s["spec_rows"])
+    assert s["mean_accepted_length"] > 1.2
+    assert s["steps"] < ref_summary["steps"]  # fewer steps than one per token: the point of it
+    # per-request metrics add up (the engine's counters also count work lost to preemptions)
+    m = [o.metrics for o in outs]
+    assert sum(x.draft_tokens_accepted for x in m) <= s["drafts_accepted"]
+    assert sum(x.draft_tokens_verified for x in m) <= s["drafts_verified"]
+    assert all(sum(x.draft_accepted_per_position) == x.draft_tokens_accepted for x in m)
+    assert all(x.draft_tokens_verified <= x.draft_tokens_proposed for x in m)
+    per_pos = s["drafts_accepted_per_position"]
+    assert sum(per_pos) == s["drafts_accepted"] and per_pos == sorted(per_pos, reverse=True)
+    assert "mean accepted length" in llm.stats.summary_line()
+
+
+def test_prefix_hits_with_speculation(prompts, plain, spec_fixed):
+    """The same prefix hits in both runs (one request fills the cache, then four share its prefix)."""
+    outs = {}
+    for name, llm in (("plain", plain), ("spec", spec_fixed)):
+        first = fresh(llm).generate(prompts[:1], GREEDY, use_tqdm=False)
+        rest = llm.generate(prompts[12:], GREEDY, use_tqdm=False)
+        assert llm.stats.summary()["cache_hit_tokens"] >= 3 * 128 and llm.stats.summary()["preemptions"] == 0
+        outs[name] = tokens(first + rest)
+    assert outs["spec"] == outs["plain"]
+
+
+def test_varlen_plans_shorter_rows_when_steps_cost_more(prompts, plain, spec_fixed):
+    """With a forward time that grows steeply with the step's tokens, Algorithm 1 verifies fewer
+    drafts than the fixed length; the output stays the greedy output."""
+    llm = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, precompile=False, **BASE)
+    llm.engine.scheduler.spec_sps = lambda B: 1.0 / (1.0 + 0.2 * B)
+    ref = tokens(fresh(plain).generate(prompts[:6], GREEDY, use_tqdm=False))
+    assert tokens(llm.generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
+    assert tokens(fresh(spec_fixed).generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
+    s, sf = llm.stats.summary(), spec_fixed.stats.summary()
+    assert s["spec_rows"] and s["drafts_verified"] / s["spec_rows"] < sf["drafts_verified"] / sf["spec_rows"]
+
+
+def test_seeded_sampling_with_speculation(prompts, plain, spec_fixed):
+    """Sampled rows: the same seeds give the same tokens run to run; with the ``coupled`` rule
+    every emitted token is the one plain sampling draws at that (seed, position), so the output
+    equals the output without speculation."""
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
+    ref = tokens(fresh(plain).generate(prompts[:6], p, use_tqdm=False))
+    coupled = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_rule="coupled", precompile=False, **BASE)
+    assert tokens(coupled.generate(prompts[:6], p, use_tqdm=False)) == ref
+    assert coupled.stats.summary()["drafts_accepted"] > 0
+    b1 = tokens(fresh(spec_fixed).generate(prompts[:6], p, use_tqdm=False))
+    b2 = tokens(fresh(spec_fixed).generate(prompts[:6], p, use_tqdm=False))
+    assert b1 == b2 and b1 != ref  # the uniform rule: same distribution, other draws
+
+
+def test_stops_inside_a_verified_block(prompts, plain, spec_fixed):
+    """max_tokens, stop tokens and min_tokens cut a block where they apply, as without speculation."""
+    ref = tokens(fresh(plain).generate(prompts[:4], GREEDY, use_tqdm=False))
+    short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    assert tokens(fresh(spec_fixed).generate(prompts[:4], short, use_tqdm=False)) == [r[:7] for r in ref]
+    stop_id = ref[0][12]
+    first = next(i for i, t in enumerate(ref[0]) if t == stop_id and i >= 3)
+    stop = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], min_tokens=3, ignore_eos=True)
+    for llm in (plain, spec_fixed):
+        out = fresh(llm).generate(prompts[:1], stop, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ref[0][:first + 1] and out.finish_reason == "stop"
+
+
+def test_spec_config_errors_and_aliases(monkeypatch):
+    from deepinfer_jax.config import ModelConfig, preset
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.models.registry import resolve_model
+
+    cfg = ModelConfig.from_json(resolve_model(DEFAULT_MODEL, progress=False))
+    blk = cfg.dspark_block_size
+    ec = EngineConfig(spec_decode="dspark").resolve(cfg)
+    assert (ec.spec_decode, ec.num_draft_tokens, ec.spec_varlen) == ("dspark", blk, True)
+    assert EngineConfig().resolve(cfg).spec_decode == "off"  # off by default
+    with pytest.raises(ValueError, match="num_draft_tokens=9"):
+        EngineConfig(spec_decode="dspark", num_draft_tokens=9).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_decode='eagle'"):
+        EngineConfig(spec_decode="eagle").resolve(cfg)
+    with pytest.raises(ValueError, match="max_backtracking_tokens=2"):
+        EngineConfig(spec_decode="dspark", max_backtracking_tokens=2).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_rule='always'"):
+        EngineConfig(spec_decode="dspark", spec_rule="always").resolve(cfg)
+    no_stages = dataclasses.replace(preset("v41-tiny"), dspark_block_size=0)
+    with pytest.raises(ValueError, match="no DSpark stages"):
+        EngineConfig(spec_decode="dspark").resolve(no_stages)
+    # DeepInfer's switches: keyword aliases and environment variables
+    ec = EngineConfig.from_kwargs(DEEPINFER_USE_NEXTN_DECODE=1, DEEPINFER_ENABLE_MTP_VARLEN=0).resolve(cfg)
+    assert (ec.spec_decode, ec.spec_varlen) == ("dspark", False)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "1")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    ec = EngineConfig().resolve(cfg)
+    assert (ec.spec_decode, ec.spec_varlen) == ("dspark", False)
+    assert EngineConfig(spec_decode="off").resolve(cfg).spec_decode == "off"  # the field wins
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "maybe")
+    with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE='maybe'"):
+        EngineConfig().resolve(cfg)
