@@ -34,7 +34,7 @@ def exact_replay_tokens(cfg) -> int:
     W = cfg.sliding_window
     return (cfg.num_hidden_layers - 1) * (W - 1) + W
 
-# field -> (kind, lowest value or None, None allowed); kinds: "int", "bool", "str", "ints" (a
+# field -> (kind, lowest value or None, None allowed); kinds: "int", "num", "bool", "str", "ints" (a
 # non-empty tuple or list of ints). Ranges that need the model (max_model_len, max_logprobs) are
 # checked in resolve. block_tokens and prefix_replay_tokens are type-checked only here.
 _FIELD_TYPES = {
@@ -49,7 +49,7 @@ _FIELD_TYPES = {
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
     "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
-    "spec_rule": ("str", None, False),
+    "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
 }
 
 
@@ -106,6 +106,9 @@ class EngineConfig:
     # num_draft_tokens. None: $DEEPINFER_ENABLE_MTP_VARLEN, else True
     spec_varlen: bool | None = None
     spec_rule: str = "uniform"             # rejection rule of sampled rows (sampling/spec_verify.py)
+    # benchmarks only: accept each draft with this probability whatever the target says (the
+    # output is not the model's; runner/spec_step.py forced_verification). None: off
+    spec_force_accept: float | None = None
 
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
@@ -123,6 +126,9 @@ class EngineConfig:
             elif kind == "str":
                 if not isinstance(v, str):
                     self._bad(f, "must be a string" + (" or None" if optional else ""))
+            elif kind == "num":
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    self._bad(f, "must be a number" + (" or None" if optional else ""))
             elif kind == "int":
                 if not _is_int(v):
                     self._bad(f, "must be an int" + (" or None" if optional else ""))
@@ -211,12 +217,15 @@ class EngineConfig:
             self._bad("spec_decode", f"expected one of {SPEC_DECODE_MODES} (or None)")
         if self.spec_rule not in SPEC_RULES:
             self._bad("spec_rule", f"expected one of {SPEC_RULES}")
+        fa = self.spec_force_accept
+        if fa is not None and (isinstance(fa, bool) or not isinstance(fa, (int, float)) or not 0 < fa <= 1):
+            self._bad("spec_force_accept", "must be a number in (0, 1] or None")
         varlen = self.spec_varlen
         if varlen is None:
             env = os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN")
             varlen = True if env is None else _env_flag("DEEPINFER_ENABLE_MTP_VARLEN", env)
         if spec == "off":
-            return spec, self.num_draft_tokens or 0, varlen
+            return spec, self.num_draft_tokens, varlen
         if not cfg.dspark_enabled:
             self._bad("spec_decode", "the model has no DSpark stages (num_nextn_predict_layers=0 or dspark_block_size=0)")
         blk = cfg.dspark_block_size

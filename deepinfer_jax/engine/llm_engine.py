@@ -234,11 +234,13 @@ class LLMEngine:
             req = st.request if st is not None else None
             if req is None or req.status.finished or row.epoch != req.epoch:
                 continue  # a dropped result (finished, aborted or preempted since planned)
-            lp = res.logprob[i] if res.logprob.ndim == 1 else res.logprob[i, :int(res.num_accepted[i]) + 1]
+            spec = res.logprob.ndim == 2  # a verification row: every emitted token
+            lp = res.logprob[i, :int(res.num_accepted[i]) + 1] if spec else res.logprob[i:i + 1]
             if row.sample and not np.isfinite(lp).all():
-                tok = res.token_ids[i] if res.token_ids.ndim == 1 else res.token_ids[i, :len(lp)]
+                what = (f"tokens {res.token_ids[i, :len(lp)].tolist()} with logprobs {lp.tolist()}" if spec
+                        else f"token {int(res.token_ids[i])} with logprob {float(res.logprob[i])}")
                 raise RuntimeError(f"request {st.parent_id!r} (sample {st.index}): step {sched.step_id} sampled "
-                                   f"token(s) {np.asarray(tok).tolist()} with logprob(s) {np.asarray(lp).tolist()}: the model's "
+                                   f"{what}: the model's "
                                    "outputs are not finite (e.g. NaN weights)")
 
     def _apply(self, handle, res) -> list[RequestOutput]:

@@ -80,7 +80,7 @@ def step_function(graphdef, state_treedef, spec: bool = False):
     if fn is None:
         if spec:  # runner/spec_step.py: verify, roll back, draft
             fn = jax.jit(functools.partial(spec_step_impl, graphdef, state_treedef),
-                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule"),
+                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept"),
                          donate_argnames=("cache",))
         else:
             fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
@@ -211,7 +211,8 @@ class ModelRunner:
             with jax.set_mesh(self.trace_mesh), deferred_interrupts():
                 self.cache, out, plp = self._spec_step(
                     self.state_leaves, self.cache, inp, self.engram_tables, num_logprobs=self.ec.max_logprobs,
-                    prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule)
+                    prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule,
+                    force_accept=float(self.ec.spec_force_accept or 0.0))
             return StepHandle(sched, out, plp, offsets, t0, T, spec=True)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated

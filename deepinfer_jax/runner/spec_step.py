@@ -44,10 +44,37 @@ class SpecStepOutput:
 
 
 def spec_step_impl(graphdef, state_treedef, state_leaves, cache, inp, engram_tables, *,
-                   num_logprobs: int, prompt_lp: bool, kernels: str, spec_slots: int, rule: str):
+                   num_logprobs: int, prompt_lp: bool, kernels: str, spec_slots: int, rule: str,
+                   force_accept: float = 0.0):
     with ops.use_backend(kernels):
         return _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs, prompt_lp,
-                          spec_slots, rule)
+                          spec_slots, rule, force_accept)
+
+
+FORCE_SALT = 0x464F5243  # "FORC": fold_in data of the forced-acceptance uniforms
+
+
+def forced_verification(ver, logits_RKV, draft_RK, num_drafts_R, sb, rate: float):
+    """Benchmark mode (``EngineConfig.spec_force_accept``): each draft is accepted with
+    probability ``rate`` until the first rejection, whatever the target says (seeded per request
+    and position), and the token after the accepted ones is the target's argmax there. The output
+    is not the model's: it measures the engine at a chosen acceptance (DeepSeek's decode plots use
+    tau = 1 + n * 0.75)."""
+    from deepinfer_jax.sampling.sampler import row_keys
+
+    R, K1, _ = logits_RKV.shape
+    keys = row_keys(jnp.asarray(sb.seed, jnp.uint32), jnp.asarray(sb.position, jnp.int32))
+    u_RK = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, FORCE_SALT), (K1 - 1,)))(keys)
+    slot = jnp.arange(K1 - 1)[None]
+    rejected = (u_RK >= rate) | (slot >= num_drafts_R[:, None])
+    a_R = jnp.where(rejected.any(-1), jnp.argmax(rejected, -1), K1 - 1).astype(jnp.int32)
+    a_R = jnp.minimum(a_R, num_drafts_R)
+    top_RK = jnp.argmax(logits_RKV, -1).astype(jnp.int32)
+    slot1 = jnp.arange(K1)[None]
+    judged = jnp.concatenate([draft_RK, jnp.zeros((R, 1), jnp.int32)], 1)
+    last = jnp.take_along_axis(top_RK, a_R[:, None], 1)
+    tok = jnp.where(slot1 < a_R[:, None], judged, jnp.where(slot1 == a_R[:, None], last, -1))
+    return dataclasses.replace(ver, num_accepted=a_R, token_ids=tok, num_emitted=a_R + 1)
 
 
 def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -> jax.Array:
@@ -59,7 +86,7 @@ def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -
 
 
 def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs: int, prompt_lp: bool,
-               K: int, rule: str):
+               K: int, rule: str, force_accept: float):
     b = inp.batch
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
     cfg = model.cfg
@@ -72,6 +99,9 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs: 
     V = logits.shape[-1]
     ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, inp.sampling,
                         num_logprobs=num_logprobs, rule=rule)
+    if force_accept > 0:
+        ver = forced_verification(ver, logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R,
+                                  inp.sampling, force_accept)
     cache = apply_undo(cache, undo, rejected_tokens(b, inp.num_drafts_R, ver.num_accepted))
     # the next block: the last emitted token is the input, the last accepted position the context
     last_tok = jnp.take_along_axis(ver.token_ids, ver.num_accepted[:, None], axis=1)[:, 0]

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""DSpark speculative decoding throughput: no speculation vs fixed-length vs varlen verification.
+
+For each concurrency C (requests running at once, ``max_num_seqs``) and each mode, builds an
+engine, runs an untimed warm-up, then generates ``C`` prompts (one wave: every request runs the
+whole time) and records generated tokens per second, steps, the mean accepted length (tokens per
+verification row) and the step time. Prints a table with each mode's ratio to no speculation
+and varlen's ratio to the fixed length, measured in the same run; writes JSON.
+
+    python scripts/bench_spec.py                                  # shipped model, this machine
+    python scripts/bench_spec.py --concurrency 16 60 96 256 --input-len 256 --output-len 128 \\
+        --out benchmarks/results/spec_H200.json
+    python scripts/bench_spec.py --model v41-flash --force-accept 0.75   # random weights, forced acceptance
+
+Prompts are cut from Python sources (``--prompts-from DIR``, default this project's own package,
+which the shipped model never saw). ``--force-accept A`` accepts each draft with probability A
+whatever the target says (``EngineConfig.spec_force_accept``: the engine at a chosen acceptance,
+tau = 1 + n*A in expectation; the tokens are not the model's), for random-weight models.
+Token buckets per engine: C, 2C, ..., (K+1)C and the prefill chunk size, so no-speculation
+decode steps are not padded to verification sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODES = ("none", "fixed", "varlen")
+
+
+def source_prompts(tokenizer, root: str, n: int, length: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
+    ids = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            ids += tokenizer.encode(fh.read())
+        if len(ids) > 4 * n * length:
+            break
+    if len(ids) < length + 1:
+        raise SystemExit(f"--prompts-from {root}: {len(ids)} tokens of Python, need more than {length}")
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(ids) - length, size=n)
+    return [ids[s:s + length] for s in starts]
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=length).tolist() for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir or name (default: the shipped model)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--num-draft-tokens", type=int, default=None, help="default: the model's DSpark block")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="the largest token bucket at least")
+    ap.add_argument("--force-accept", type=float, default=None)
+    ap.add_argument("--prompts-from", default=None, help="directory of .py files (default: deepinfer_jax/)")
+    ap.add_argument("--engine", default="{}", help="JSON of further EngineConfig fields")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: {m!r} is not one of {MODES}")
+    if any(c < 1 for c in args.concurrency):
+        ap.error("--concurrency: values must be >= 1")
+
+    import jax
+
+    from deepinfer_jax import LLM, SamplingParams
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
+    from deepinfer_jax.tokenizer.loader import load_tokenizer
+
+    model = args.model or DEFAULT_MODEL
+    model_dir = resolve_model(model, progress=False)
+    cfg = ModelConfig.from_json(model_dir)
+    K = args.num_draft_tokens or cfg.dspark_block_size
+    tok = None
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    root = args.prompts_from or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "deepinfer_jax")
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed)
+    extra = json.loads(args.engine)
+
+    rows = []
+    for C in args.concurrency:
+        n_prompts = C
+        if tok is not None:
+            prompts = source_prompts(tok, root, n_prompts + 4, args.input_len, args.seed + C)
+        else:
+            prompts = random_prompts(cfg.vocab_size, n_prompts + 4, args.input_len, args.seed + C)
+        warm, timed = prompts[:4], prompts[4:]
+        chunk = max(args.prefill_chunk, (K + 1) * C)
+        buckets = tuple(sorted({C * j for j in range(1, K + 2)} | {chunk}))
+        max_len = args.input_len + args.output_len + K + 2
+        base_kw = dict(max_num_seqs=C, max_num_batched_tokens=chunk, token_buckets=buckets,
+                       max_model_len=max_len, enable_prefix_caching=False, progress=False, **extra)
+        for mode in modes:
+            kw = dict(base_kw)
+            if mode != "none":
+                kw.update(spec_decode="dspark", num_draft_tokens=K, spec_varlen=(mode == "varlen"),
+                          spec_force_accept=args.force_accept)
+            t0 = time.perf_counter()
+            llm = LLM(model, **kw)
+            init_s = time.perf_counter() - t0
+            llm.generate(warm, sp, use_tqdm=False)
+            llm.stats.reset()
+            outs = llm.generate(timed, sp, use_tqdm=False)
+            s = llm.stats.summary()
+            rows.append(dict(concurrency=C, mode=mode, init_and_compile_s=init_s,
+                             output_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **s))
+            print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s, {s['steps']} steps, "
+                  f"tau {s['mean_accepted_length'] or 1.0:.2f}", flush=True)
+
+    def find(C, m):
+        return next((r for r in rows if r["concurrency"] == C and r["mode"] == m), None)
+
+    print(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"model {model}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
+          f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
+    print(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
+          f"{'drafts/row':>10} {'varlen/fixed':>13}")
+    for r in rows:
+        none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
+        vs = r["generated_tokens_per_s"] / none["generated_tokens_per_s"] if none else float("nan")
+        vf = (r["generated_tokens_per_s"] / fixed["generated_tokens_per_s"]
+              if fixed and r["mode"] == "varlen" else float("nan"))
+        per_row = r["drafts_verified"] / r["spec_rows"] if r["spec_rows"] else 0.0
+        r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
+        print(f"{r['concurrency']:5d} {r['mode']:7} {r['generated_tokens_per_s']:10.1f} {vs:8.2f} "
+              f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
+              f"{per_row:10.2f} {vf:13.3f}")
+    out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+                   "jax": jax.__version__, "model": model, "args": vars(args), "num_draft_tokens": K,
+                   "rows": rows}, f, indent=1, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
