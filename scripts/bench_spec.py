@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         buckets = tuple(sorted({C * j for j in range(1, K + 2)} | {chunk}))
         max_len = args.input_len + args.output_len + K + 2
         base_kw = dict(max_num_seqs=C, max_num_batched_tokens=chunk, token_buckets=buckets,
-                       max_model_len=max_len, enable_prefix_caching=False, progress=False, **extra)
+                       max_model_len=max_len, enable_prefix_caching=False, progress=False)
+        base_kw.update(extra)  # --engine overrides the defaults above
         for mode in modes:
             kw = dict(base_kw)
             if mode != "none":
