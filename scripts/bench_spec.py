@@ -10,7 +10,7 @@ and varlen's ratio to the fixed length, measured in the same run; writes JSON.
     python scripts/bench_spec.py                                  # shipped model, this machine
     python scripts/bench_spec.py --concurrency 16 60 96 256 --input-len 256 --output-len 128 \\
         --out benchmarks/results/spec_H200.json
-    python scripts/bench_spec.py --model v41-flash --force-accept 0.75   # random weights, forced acceptance
+    python scripts/bench_spec.py --model v41-tiny --force-accept 0.75    # random weights, forced acceptance
 
 Prompts are cut from Python sources (``--prompts-from DIR``, default this project's own package,
 which the shipped model never saw). ``--force-accept A`` accepts each draft with probability A
