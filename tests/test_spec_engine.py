@@ -208,3 +208,26 @@ def test_forced_acceptance_benchmark_mode(prompts):
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
     with pytest.raises(ValueError, match="spec_force_accept=1.5"):
         LLM(DEFAULT_MODEL, spec_decode="dspark", spec_force_accept=1.5, precompile=False, **BASE)
+
+
+def test_logprobs_prompt_logprobs_and_n_with_speculation(prompts, plain, spec_fixed):
+    """Per-token logprobs (emitted from verification slots), prompt logprobs (their logits rows
+    follow the verification slots) and n > 1 samples agree with the engine without speculation."""
+    p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1, n=2)
+    a = fresh(plain).generate(prompts[:2], p, use_tqdm=False)
+    b = fresh(spec_fixed).generate(prompts[:2], p, use_tqdm=False)
+    assert spec_fixed.stats.summary()["drafts_accepted"] > 0
+    for x, y in zip(a, b):
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        assert len(y.outputs) == 2 and y.outputs[0].token_ids == y.outputs[1].token_ids
+        for cx, cy in zip(x.outputs, y.outputs):
+            for lx, ly in zip(cx.logprobs, cy.logprobs):
+                assert lx.keys() == ly.keys()
+                np.testing.assert_allclose([v.logprob for v in lx.values()], [v.logprob for v in ly.values()],
+                                           atol=1e-4)
+        px = [d for d in x.prompt_logprobs if d is not None]
+        py = [d for d in y.prompt_logprobs if d is not None]
+        assert len(px) == len(py) == len(x.prompt_token_ids) - 1
+        for dx, dy in zip(px, py):
+            assert dx.keys() == dy.keys()
+            np.testing.assert_allclose([v.logprob for v in dx.values()], [v.logprob for v in dy.values()], atol=1e-4)
