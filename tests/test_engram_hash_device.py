@@ -14,6 +14,7 @@ from deepinfer_jax.runner.engram_hash import EngramHasher, is_prime
 from deepinfer_jax.runner.engram_hash_device import (
     DeviceEngramTables,
     device_hash,
+    device_hash_window,
     host_partials,
     mod_u64,
     mul_u32_u64,
@@ -98,6 +99,24 @@ def test_matches_oracle_jit_batch(name):
         want, got = _oracle_and_device(hs, tables, rng, lengths, hash_fn=fn)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("name", ["v41-tiny", "v41-flash"])
+def test_window_hash_matches_oracle(name):
+    """Every token of the n-gram on the device (async speculation): positions from 0 (all
+    look-backs are the pad) up to a long history, in one jitted call."""
+    hs = _hasher(name)
+    tables = jax.device_put(DeviceEngramTables.from_hasher(hs))
+    rng = np.random.default_rng(3)
+    hist_N = rng.integers(0, hs.token_map.shape[0], size=300)
+    pos_T = np.concatenate([np.arange(6), rng.integers(6, 300, size=26)])
+    K = hs.max_ngram_size
+    src_TK = pos_T[:, None] - np.arange(K)[None, :]
+    win_TK = np.where(src_TK >= 0, hist_N[np.maximum(src_TK, 0)], -1)
+    got = jax.jit(device_hash_window)(tables, jnp.asarray(win_TK, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), hs.hash_positions(hist_N, pos_T))
+    with pytest.raises(ValueError, match="shifts"):
+        device_hash_window(tables, jnp.zeros((2, K + 1), jnp.int32))
 
 
 def test_host_partials_many_positions_one_history():

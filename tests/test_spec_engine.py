@@ -87,9 +87,10 @@ def plain():
     return LLM(DEFAULT_MODEL, **BASE)
 
 
-@pytest.mark.parametrize("varlen,async_scheduling", [(False, True), (True, False)])
+@pytest.mark.parametrize("varlen,async_scheduling", [(False, True), (True, False), (True, True)])
 def test_greedy_with_speculation_equals_without(prompts, plain_preempt, varlen, async_scheduling):
-    """Chunked prompts and preemptions; fixed-length and varlen verification."""
+    """Chunked prompts and preemptions; fixed-length and varlen verification, sync and async
+    (async: rows planned before the previous step's accept counts, corrected on the device)."""
     ref, ref_summary = plain_preempt
     llm = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=varlen, async_scheduling=async_scheduling,
               **PREEMPT)
@@ -103,6 +104,8 @@ def test_greedy_with_speculation_equals_without(prompts, plain_preempt, varlen, 
     assert s["mean_accepted_length"] == pytest.approx(1 + s["drafts_accepted"] / s["spec_rows"])
     assert s["mean_accepted_length"] > 1.2
     assert s["steps"] < ref_summary["steps"]  # fewer steps than one per token: the point of it
+    device_rows = llm.engine.scheduler.num_device_rows
+    assert device_rows > 0 if async_scheduling else device_rows == 0
     # per-request metrics add up (the engine's counters also count work lost to preemptions)
     m = [o.metrics for o in outs]
     assert sum(x.draft_tokens_accepted for x in m) <= s["drafts_accepted"]

@@ -40,6 +40,9 @@ class ScheduledRow:
     # speculative decoding: the row's last num_drafts tokens are drafts to verify (the token
     # before them is the request's newest known token); 0 = a plain row
     num_drafts: int = 0
+    # async speculation: the row's tokens all come from the previous step's outputs (prev_row);
+    # the last history_tokens known tokens then the in-flight row's drafts, for the n-gram hash
+    spec_ctx: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

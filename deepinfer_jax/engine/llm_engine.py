@@ -82,8 +82,8 @@ class LLMEngine:
         # scheduler handed to the prefix cache were never written (abort_all resets the cache)
         self._undispatched = False
         self._rng = np.random.default_rng(ec.seed)
-        # speculative decoding runs each step's results before planning the next: the next
-        # verification row needs the drafts this step proposes (FEATURES §4)
+        # speculative decoding (FEATURES §4); with async scheduling the next verification row
+        # is planned before this step's accept counts are known and corrected on the device
         self.spec = getattr(ec, "spec_decode", "off") == "dspark"
         self.forward_estimator = None
         if self.spec and ec.spec_varlen and getattr(runner, "bucket_seconds", None):
@@ -210,7 +210,7 @@ class LLMEngine:
             handle.host_time = time.perf_counter() - t0
         finished: list[RequestOutput] = []
         progressed = handle is not None
-        if self.ec.async_scheduling and not self.spec:
+        if self.ec.async_scheduling:
             prev, self._inflight = self._inflight, handle
             if prev is not None:
                 progressed = True  # its results may finish requests and free slots / blocks
@@ -265,7 +265,8 @@ class LLMEngine:
                                                          res.prompt_top_ids[off + j], res.prompt_top_lp[off + j])
             if not row.sample:
                 continue
-            req.num_pending -= 1
+            if not spec:
+                req.num_pending -= 1
             if req.first_token_time is None:
                 req.first_token_time = now
             if spec:
@@ -277,6 +278,7 @@ class LLMEngine:
                     accepted += a
                     for j in range(a):
                         acc_pos[j] += 1
+                    req.num_drafts_verified += row.num_drafts
                     req.num_drafts_accepted += a
                     pp = req.drafts_accepted_per_position
                     pp.extend([0] * (K - len(pp)))

@@ -3,8 +3,9 @@
 Counting, in positions of the request's sequence:
 
 * ``all_token_ids``: the tokens the host knows (prompt + processed outputs).
-* ``num_pending``: samples dispatched to the device but not yet processed (async scheduling
-  keeps at most two in flight while a round is being scheduled). The sequence length the
+* ``num_pending``: tokens dispatched to the device but not yet processed, counted
+  optimistically: one per sample, 1 + drafts per verification row (async scheduling keeps at
+  most two rows in flight while a round is being scheduled). The sequence length the
   scheduler plans with is ``num_tokens_planned = len(all_token_ids) + num_pending``.
 * ``num_computed``: positions already scheduled into the caches (optimistic: includes steps
   still in flight). A request decodes when ``num_computed == num_tokens_planned - 1``.
@@ -60,6 +61,7 @@ class Request:
     # --- speculative decoding (sync: the newest step's drafts for the next verification) ---
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     draft_confidence: list[float] = dataclasses.field(default_factory=list)  # logits, per draft
+    spec_inflight_drafts: int = 0     # drafts of the newest planned row (its accepted prefix feeds the next)
     # --- metrics ---
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

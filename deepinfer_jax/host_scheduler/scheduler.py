@@ -80,6 +80,7 @@ class Scheduler:
         self.spec_varlen = bool(getattr(ec, "spec_varlen", False))
         self.spec_sps = None
         self._draft_plan: dict[str, int] = {}
+        self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -169,20 +170,23 @@ class Scheduler:
         p = req.params
         if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
             return 0  # the in-flight samples will finish it
+        if self.num_draft_tokens and req.num_pending and len(req.output_token_ids) < p.min_tokens:
+            return 0  # min_tokens bans need the exact output count: wait for the in-flight row
         return 1 + min(self._draft_plan.get(req.request_id, 0), budget - 1)
 
     # ------------------------------------------------------------------ speculative decoding
     def draft_cap(self, req: Request) -> int:
-        """Drafts the request's next verification row may carry: its drafts, at most
-        ``num_draft_tokens``, none while ``min_tokens`` bans tokens (the bans would differ per
-        slot), none while a sample is in flight, and no more than ``max_tokens`` and
-        ``max_model_len`` leave room for (every accepted draft plus the correction is output)."""
+        """Drafts the request's next verification row may carry: at most ``num_draft_tokens``,
+        none before ``min_tokens`` outputs (the bans would differ per slot), and no more than
+        ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight rows as fully
+        accepted. A row after an in-flight one takes that step's drafts on the device (async);
+        otherwise the host's drafts from the last processed step."""
         p = req.params
-        if (req.num_pending or not req.draft_token_ids or req.num_computed != req.num_tokens - 1
-                or len(req.output_token_ids) < p.min_tokens):
+        if req.num_computed != req.num_tokens_planned - 1 or len(req.output_token_ids) < p.min_tokens:
             return 0
-        return max(0, min(self.num_draft_tokens, len(req.draft_token_ids), p.max_tokens - len(req.output_token_ids) - 1,
-                          self.max_model_len - req.num_tokens - 1))
+        have = self.num_draft_tokens if req.num_pending else len(req.draft_token_ids)
+        return max(0, min(self.num_draft_tokens, have, p.max_tokens - req.num_outputs_planned - 1,
+                          self.max_model_len - req.num_tokens_planned - 1))
 
     def _plan_drafts(self, budget: int) -> dict[str, int]:
         """request id -> drafts of its verification row this step: the cap (fixed length) or
@@ -191,19 +195,24 @@ class Scheduler:
         caps = {k: v for k, v in caps.items() if v > 0}
         if not caps or not self.spec_varlen or self.spec_sps is None:
             return caps
-        decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
+        decoding = [r for r in self.running if r.num_computed == r.num_tokens_planned - 1]
         K = self.num_draft_tokens
         conf = np.zeros((len(decoding), K))
         for i, r in enumerate(decoding):
             c = caps.get(r.request_id, 0)
-            if c:
-                conf[i, :c] = 1.0 / (1.0 + np.exp(-np.asarray(r.draft_confidence[:c], np.float64)))
+            if c:  # async: the newest processed step's confidences (the drafts in flight are on the device)
+                z = np.zeros(c)
+                known = np.asarray(r.draft_confidence[:c], np.float64)
+                z[:len(known)] = known  # none yet (right after a prefill): sigmoid(0) = 0.5
+                conf[i, :c] = 1.0 / (1.0 + np.exp(-z))
         lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget)
         return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
 
     def commit_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """After a verification row's results: the rejected drafts' positions are no longer
-        computed (the device rolled their cache writes back)."""
+        """After a verification row's results: its 1 + num_drafts optimistic tokens leave
+        ``num_pending`` and the rejected drafts' positions are no longer computed (the device
+        rolled their cache writes back, and shifted any later in-flight row by as much)."""
+        req.num_pending -= 1 + num_drafts
         req.num_computed -= num_drafts - num_accepted
 
     def _blocks_needed(self, end: int) -> int:
@@ -251,25 +260,37 @@ class Scheduler:
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         start = req.num_computed
         n_draft = 0
-        if n > 1 and start == req.num_tokens - 1 and not req.num_pending and req.request_id in self._draft_plan:
+        if n > 1 and start == req.num_tokens_planned - 1 and req.request_id in self._draft_plan:
             n_draft = n - 1  # a verification row: the newest token, then the drafts
         toks, prev_row = [], -1
         for p in range(start, start + n - n_draft):
             t = req.token_at(p)
             if t is None:
-                if p != start + n - 1 or req.last_sample is None or req.last_sample[0] != step - 1:
+                if p != start + n - n_draft - 1 or req.last_sample is None or req.last_sample[0] != step - 1:
                     raise AssertionError(f"request {req.request_id}: token at {p} unknown and not "
                                          f"the previous step's sample ({req.last_sample})")
                 prev_row, t = req.last_sample[1], -1
             toks.append(t)
-        toks += req.draft_token_ids[:n_draft]
+        spec_ctx = None
+        if self.num_draft_tokens and prev_row >= 0:
+            # every token of the row comes from the previous step's outputs on the device; for the
+            # n-gram hash of its first tokens, the device takes the last history_tokens known
+            # tokens and the in-flight row's drafts, of which it keeps the accepted prefix
+            H = self.history_tokens
+            n_known = req.num_tokens
+            ctx = [-1] * max(H - n_known, 0) + req.known_tokens(max(n_known - H, 0), n_known)
+            spec_ctx = ctx + req.draft_token_ids[:req.spec_inflight_drafts]
+            toks += [-1] * n_draft
+            self.num_device_rows += 1
+        else:
+            toks += req.draft_token_ids[:n_draft]
         was_prefill = req.is_prefill
         req.num_computed += n
         sample = req.num_computed - n_draft == req.num_tokens_planned
-        req.num_drafts_verified += n_draft
         banned: list[int] = []
         if sample:
-            req.num_pending += 1
+            req.num_pending += 1 + n_draft  # optimistic: every draft accepted
+            req.spec_inflight_drafts = n_draft
             req.last_sample = (step, row_index)
             if req.num_outputs_planned - 1 < req.params.min_tokens:
                 eos = req.eos_token_id is not None and not req.params.ignore_eos  # as min_tokens_banned_ids
@@ -280,7 +301,7 @@ class Scheduler:
         want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1
         targets = req.prompt_token_ids[start + 1:min(start + 1 + n, n_prompt)] if want_plp else None
         history = None
-        if self.history_tokens:
+        if self.history_tokens and spec_ctx is None:
             known = n - (1 if prev_row >= 0 else 0)
             history = req.known_tokens(max(start - self.history_tokens, 0), start + known - n_draft)
             history += req.draft_token_ids[:n_draft]
@@ -290,7 +311,7 @@ class Scheduler:
             sample=sample, slot=req.slot, blocks=list(req.blocks), floor=req.floor,
             dec_floor=max(req.floor, req.dec_floor), cache_start=req.cache_start, is_prefill=was_prefill,
             params=req.params, seed=req.seed, banned=banned, prompt_logprobs=want_plp,
-            prompt_targets=targets, history=history, num_drafts=n_draft)
+            prompt_targets=targets, history=history, num_drafts=n_draft, spec_ctx=spec_ctx)
 
     # ------------------------------------------------------------------ cache bookkeeping
     def _update_hashes(self, req: Request) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "DeviceEngramTables",
     "host_partials",
     "device_hash",
+    "device_hash_window",
     "mul_u32_u64",
     "mod_u64",
     "split_u64",
@@ -126,6 +127,9 @@ class DeviceEngramTables:
     primes_LGH: jax.Array | np.ndarray  # uint32 [n_layers, K-1, n_heads]
     offsets_LC: jax.Array | np.ndarray  # int32 [n_layers, (K-1)*n_heads]
     chunk_bits: int = dataclasses.field(metadata=dict(static=True))  # Horner chunk width b
+    # every shift's multiplier (device_hash_window: all of a position's tokens on device)
+    mult_LK2: jax.Array | np.ndarray | None = None  # uint32 [n_layers, K, 2]
+    pad_id: int = dataclasses.field(default=0, metadata=dict(static=True))  # compressed id before position 0
 
     @classmethod
     def from_hasher(cls, hasher: EngramHasher) -> "DeviceEngramTables":
@@ -173,6 +177,8 @@ class DeviceEngramTables:
             primes_LGH=primes.astype(np.uint32),
             offsets_LC=offsets.astype(np.int32),
             chunk_bits=int(chunk_bits),
+            mult_LK2=split_u64(mult),
+            pad_id=int(hasher.pad_id),
         )
 
 
@@ -266,3 +272,33 @@ def device_hash(tables: DeviceEngramTables, token_ids_T, partials_TLK2) -> jax.A
     )
     h_TLC = h_TLGH.reshape(T, n_layers, n_gram * n_heads).astype(jnp.int32)
     return h_TLC + jnp.asarray(tables.offsets_LC)[None]
+
+
+def device_hash_window(tables: DeviceEngramTables, window_TK) -> jax.Array:
+    """Engram row ids of T positions whose whole n-gram window is on device.
+
+    window_TK: int [T, K]: ``window_TK[t, k]`` = the token id at position ``p_t - k`` (k = 0..K-1,
+    K = ``max_ngram_size``), or -1 where ``p_t - k < 0`` (the pad id). Returns int32
+    ``[T, n_layers, (K-1)*n_heads]``, equal to ``EngramHasher.hash_positions`` (tested).
+    """
+    if tables.mult_LK2 is None:
+        raise ValueError("device_hash_window needs tables built by DeviceEngramTables.from_hasher")
+    n_layers, n_gram, n_heads = tables.primes_LGH.shape
+    win = jnp.asarray(window_TK, jnp.int32)
+    T, K = win.shape
+    if K != n_gram + 1:
+        raise ValueError(f"window_TK has {K} shifts; the tables hash n-grams of up to {n_gram + 1}")
+    c_TK = jnp.where(win >= 0, jnp.take(jnp.asarray(tables.token_map_V), jnp.maximum(win, 0), mode="clip"),
+                     tables.pad_id).astype(jnp.uint32)
+    mult = jnp.asarray(tables.mult_LK2)
+    x_hi, x_lo = mul_u32_u64(c_TK[:, None, :], mult[None, :, :, 0], mult[None, :, :, 1])  # [T, L, K]
+    v_hi, v_lo = x_hi[..., 0], x_lo[..., 0]
+    his, los = [], []
+    for i in range(1, K):  # n-gram of size i + 1: x_0 ^ ... ^ x_i
+        v_hi, v_lo = v_hi ^ x_hi[..., i], v_lo ^ x_lo[..., i]
+        his.append(v_hi)
+        los.append(v_lo)
+    v_hi_TLG, v_lo_TLG = jnp.stack(his, -1), jnp.stack(los, -1)
+    h_TLGH = mod_u64(v_hi_TLG[..., None], v_lo_TLG[..., None], jnp.asarray(tables.primes_LGH)[None],
+                     tables.chunk_bits)
+    return h_TLGH.reshape(T, n_layers, n_gram * n_heads).astype(jnp.int32) + jnp.asarray(tables.offsets_LC)[None]

@@ -29,7 +29,7 @@ from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
-from deepinfer_jax.runner.spec_step import SpecStepResult, spec_step_impl
+from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import sample
 
@@ -149,6 +149,7 @@ class ModelRunner:
         self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
         if self.spec_slots:
             self._spec_step = step_function(self.graphdef, state_treedef, spec=True)
+            self.spec_carry = SpecCarry.empty(ec.max_num_seqs, self.spec_slots)
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
                                         index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
@@ -206,11 +207,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
         if self.spec_slots:
-            if any(r.prev_row >= 0 for r in sched.rows):
-                raise ValueError("speculative steps take no placeholders (the engine runs them synchronously)")
             with jax.set_mesh(self.trace_mesh), deferred_interrupts():
-                self.cache, out, plp = self._spec_step(
-                    self.state_leaves, self.cache, inp, self.engram_tables, num_logprobs=self.ec.max_logprobs,
+                self.cache, out, plp, self.spec_carry = self._spec_step(
+                    self.state_leaves, self.cache, inp, self.spec_carry, self.engram_tables,
+                    num_logprobs=self.ec.max_logprobs,
                     prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule,
                     force_accept=float(self.ec.spec_force_accept or 0.0))
             return StepHandle(sched, out, plp, offsets, t0, T, spec=True)

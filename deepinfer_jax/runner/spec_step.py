@@ -4,6 +4,8 @@ Rows carry ``1 + l_r`` tokens: the request's newest token ``y`` and the ``l_r`` 
 previous step proposed (``0 <= l_r <= K``; prefill chunks and rows without drafts have
 ``l_r = 0``). One call:
 
+0. (async) resolves the rows planned before the previous step's results from that step's carry
+   (``resolve_device_rows``: tokens, positions shifted by the rejected count, Engram ids);
 1. records the cache locations every token of the step will write (``cache_undo.record_undo``);
 2. runs the target forward with logits at every verification slot (``K + 1`` per row);
 3. verifies the drafts on the device (``sampling/spec_verify.verify_drafts``: greedy acceptance,
@@ -14,7 +16,8 @@ previous step proposed (``0 <= l_r <= K``; prefill chunks and rows without draft
    their rings, which step 4 already restored) with the correction / bonus token as input.
 
 The host receives the emitted tokens (``a_r + 1`` per row), the next drafts and their
-confidence logits; there is no other host round trip.
+confidence logits; the carry (``SpecCarry``) stays on the device for the next step. There is no
+other host round trip.
 """
 
 from __future__ import annotations
@@ -43,12 +46,74 @@ class SpecStepOutput:
     draft_conf: jax.Array     # f32 [R, K]: their confidence logits
 
 
-def spec_step_impl(graphdef, state_treedef, state_leaves, cache, inp, engram_tables, *,
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecCarry:
+    """What a spec step leaves on the device for the next one (rows of its own step, padded to
+    ``max_num_seqs``): an async verification row reads its tokens and its shift from here."""
+
+    num_accepted: jax.Array   # int32 [S]
+    num_drafts: jax.Array     # int32 [S]: drafts the row verified
+    token_ids: jax.Array      # int32 [S, K+1]: emitted tokens (accepted drafts, then the last)
+    draft_ids: jax.Array      # int32 [S, K]: the next block's drafts
+
+    @staticmethod
+    def empty(num_rows: int, K: int) -> "SpecCarry":
+        z = jnp.zeros((num_rows,), jnp.int32)
+        return SpecCarry(z, z, jnp.zeros((num_rows, K + 1), jnp.int32), jnp.zeros((num_rows, K), jnp.int32))
+
+
+def spec_step_impl(graphdef, state_treedef, state_leaves, cache, inp, carry, engram_tables, *,
                    num_logprobs: int, prompt_lp: bool, kernels: str, spec_slots: int, rule: str,
                    force_accept: float = 0.0):
     with ops.use_backend(kernels):
-        return _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs, prompt_lp,
+        inp = resolve_device_rows(inp, carry, engram_tables, spec_slots)
+        return _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_logprobs, prompt_lp,
                           spec_slots, rule, force_accept)
+
+
+def resolve_device_rows(inp, carry: SpecCarry, engram_tables, K: int):
+    """Async speculation: rows planned before the previous step's accept counts were known
+    (``spec_prev_row_R >= 0``) were planned as if every draft passed. Here, from that step's
+    carry: their tokens (the last emitted token, then the step's drafts), their positions and
+    start shifted back by the rejected count, their sampling positions, their drafts to judge and
+    their Engram ids (the n-gram window: the accepted prefix of the context, then the row)."""
+    from deepinfer_jax.runner.engram_hash_device import device_hash_window
+
+    b, sb = inp.batch, inp.sampling
+    T = b.token_ids.shape[0]
+    p_R = inp.spec_prev_row_R
+    ph_R = p_R >= 0
+    pc_R = jnp.clip(p_R, 0, carry.num_accepted.shape[0] - 1)
+    a_R = carry.num_accepted[pc_R]
+    shift_R = jnp.where(ph_R, carry.num_drafts[pc_R] - a_R, 0)
+    row_T = b.token_row
+    j_T = jnp.arange(T) - b.row_token_offset[row_T]
+    ph_T = ph_R[row_T] & b.token_valid
+    last_R = jnp.take_along_axis(carry.token_ids[pc_R], a_R[:, None], axis=1)[:, 0]
+    drafts_RK = carry.draft_ids[pc_R]
+    dev_T = jnp.where(j_T == 0, last_R[row_T], drafts_RK[row_T, jnp.clip(j_T - 1, 0, K - 1)])
+    tok_T = jnp.where(ph_T, dev_T, b.token_ids).astype(b.token_ids.dtype)
+    eids = b.engram_ids
+    if engram_tables is not None:
+        H = inp.spec_ctx_RC.shape[1] - K
+        cols = []
+        for k in range(H + 1):  # the token at position p - k
+            m_T = j_T - k
+            from_row = tok_T[jnp.clip(jnp.arange(T) - k, 0, T - 1)]
+            from_ctx = inp.spec_ctx_RC[row_T, jnp.clip(H + a_R[row_T] + m_T, 0, H + K - 1)]
+            cols.append(jnp.where(m_T >= 0, from_row, from_ctx))
+        dev_eids = device_hash_window(engram_tables, jnp.stack(cols, axis=1))
+        eids = jnp.where(ph_T[:, None, None], dev_eids.astype(eids.dtype), eids)
+    shift_T = jnp.where(ph_T, shift_R[row_T], 0)
+    decoder = b.decoder
+    if decoder is not None:
+        decoder = dataclasses.replace(decoder, row_start=decoder.row_start - shift_R)
+    b = dataclasses.replace(b, token_ids=tok_T, engram_ids=eids, positions=b.positions - shift_T,
+                            row_start=b.row_start - shift_R, decoder=decoder)
+    sb = dataclasses.replace(sb, position=sb.position - shift_R)
+    draft_RK = jnp.where(ph_R[:, None], drafts_RK, inp.draft_RK)
+    return dataclasses.replace(inp, batch=b, sampling=sb, draft_RK=draft_RK)
 
 
 FORCE_SALT = 0x464F5243  # "FORC": fold_in data of the forced-acceptance uniforms
@@ -85,7 +150,7 @@ def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -
     return batch.token_valid & (j > first + num_accepted_R[row])
 
 
-def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs: int, prompt_lp: bool,
+def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_logprobs: int, prompt_lp: bool,
                K: int, rule: str, force_accept: float):
     b = inp.batch
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
@@ -110,13 +175,17 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, num_logprobs: 
     nxt = model.draft(cache, jnp.maximum(last_tok, 0), last_pos, b.row_slot[:R])
     out = SpecStepOutput(ver.num_accepted, ver.token_ids, ver.logprob, ver.top_ids, ver.top_logprobs,
                          nxt.token_ids[:, 1:1 + K], nxt.confidence[:, :K].astype(jnp.float32))
+    new_carry = SpecCarry(carry.num_accepted.at[:R].set(ver.num_accepted),
+                          carry.num_drafts.at[:R].set(jnp.clip(inp.num_drafts_R, 0, K)),
+                          carry.token_ids.at[:R].set(jnp.maximum(ver.token_ids, 0)),
+                          carry.draft_ids.at[:R].set(out.draft_ids))
     plp = None
     if prompt_lp:
         lp = jax.nn.log_softmax(logits[R * K1:], axis=-1)
         tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
         plp = (tgt, top_ids.astype(jnp.int32), top_lp)
-    return cache, out, plp
+    return cache, out, plp, new_carry
 
 
 @dataclasses.dataclass

@@ -38,6 +38,10 @@ class StepInput:
     prompt_targets: jax.Array | None        # int32 [T]: next prompt token of each flat token
     draft_RK: jax.Array | None = None       # int32 [R, K]: verification rows' drafts (spec steps)
     num_drafts_R: jax.Array | None = None   # int32 [R]: drafts of each row, 0..K
+    # async speculation: the previous step's row whose outputs give this row's tokens (-1: the
+    # host knows them), and the n-gram context: H known tokens + that row's drafts (-1 padded)
+    spec_prev_row_R: jax.Array | None = None   # int32 [R]
+    spec_ctx_RC: jax.Array | None = None       # int32 [R, H + K]
 
 
 NUM_BANNED = 8  # banned ids per sampler row (EOS + stop ids under min_tokens); more recompiles
@@ -66,12 +70,22 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     K = spec_slots
     drafts = np.zeros((num_rows, K), np.int32) if K else None
     n_drafts = np.zeros(num_rows, np.int32) if K else None
+    H = hasher.max_ngram_size - 1 if hasher is not None else 0
+    spec_prev = np.full(num_rows, -1, np.int32) if K else None
+    spec_ctx = np.full((num_rows, H + K), -1, np.int32) if K else None
     o = 0
     for i, r in enumerate(sched.rows):
         n = r.num_tokens
         toks = list(r.token_ids)
         eids = None
-        if hasher is not None:
+        device_row = K > 0 and r.spec_ctx is not None
+        if device_row:  # every token and its n-gram hash come from the previous step on the device
+            spec_prev[i] = r.prev_row
+            spec_ctx[i, :len(r.spec_ctx)] = r.spec_ctx
+            toks = [0] * n
+            if hasher is not None:
+                eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
+        elif hasher is not None:
             # an n-gram hash looks back K-1 tokens: the row carries that window of the history
             w0 = max(r.start - (hasher.max_ngram_size - 1), 0)
             known = n - (1 if r.prev_row >= 0 else 0)
@@ -85,7 +99,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
                 eids[:known] = hasher.hash_positions(hist, np.arange(r.start, r.start + known) - w0)
             if r.prev_row >= 0:
                 partials[o + n - 1] = host_partials(hasher, hist, r.start + n - 1 - w0)[0]
-        if r.prev_row >= 0:
+        if r.prev_row >= 0 and not device_row:
             prev[o + n - 1] = r.prev_row
             toks[-1] = 0
         specs.append(RowSpec(toks, r.start, r.slot, r.blocks, eids, floor=r.floor, dec_floor=r.dec_floor,
@@ -97,7 +111,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             first = o + n - 1 - l
             logit_rows += [first + min(j, l) if r.sample else -1 for j in range(K + 1)]
             if l:
-                drafts[i, :l] = r.token_ids[n - l:]
+                if not device_row:
+                    drafts[i, :l] = r.token_ids[n - l:]
                 n_drafts[i] = l
         else:
             logit_rows.append(o + n - 1 if r.sample else -1)
@@ -123,4 +138,4 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     sampling = build_sampling_batch(rows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
-    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts)
+    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx)
