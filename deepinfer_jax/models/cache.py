@@ -80,6 +80,13 @@ class ModelCache:
     dspark_window: tuple
 
 
+def cache_block_tokens(cache: ModelCache, cfg) -> int:
+    """Positions per paged block, read from the cache's shapes (1 when there are no KV sources)."""
+    if not cfg.kv_source_layer_ids:
+        return 1
+    return cache.comp_kv[0].shape[1] * cfg.compress_ratios[cfg.kv_source_layer_ids[0]]
+
+
 def index_keys(cache: ModelCache, i: int) -> jax.Array:
     """KV source ``i``'s index keys ``[B, P, J]`` as bf16 (decoded when stored as codes)."""
     if not cache.index_k_scale:

@@ -26,7 +26,7 @@ from deepinfer_jax.layers.engram import Engram
 from deepinfer_jax.layers.linear import Linear, dense_fmt, expert_fmt
 from deepinfer_jax.layers.moe import MoE
 from deepinfer_jax.layers.norms import RMSNorm
-from deepinfer_jax.models.cache import ModelCache
+from deepinfer_jax.models.cache import ModelCache, cache_block_tokens
 from deepinfer_jax.base.forward_batch import ForwardBatch
 
 
@@ -110,12 +110,7 @@ class DeepseekV41ForCausalLM(nnx.Module):
     def _context(self, cache: ModelCache, batch: ForwardBatch, taps) -> StepContext:
         cfg = self.cfg
         cdict = {f.name: list(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
-        if cfg.kv_source_layer_ids:
-            src0 = cfg.kv_source_layer_ids[0]
-            block_tokens = cache.comp_kv[0].shape[1] * cfg.compress_ratios[src0]
-        else:
-            block_tokens = 1
-        return StepContext(batch, cdict, block_tokens, cache.window[0].shape[0], taps)
+        return StepContext(batch, cdict, cache_block_tokens(cache, cfg), cache.window[0].shape[0], taps)
 
     @staticmethod
     def _pack(ctx: StepContext) -> ModelCache:

@@ -31,7 +31,7 @@ from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
 from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
-from deepinfer_jax.sampling.sampler import sample
+from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
 
 
 def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
@@ -57,12 +57,7 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     out = sample(logits[:R], inp.sampling, num_logprobs)
     # the next step's placeholders index this step's rows: keep a fixed-size copy
     sampled_full = jnp.zeros_like(prev_sampled_R).at[:R].set(out.token_ids)
-    plp = None
-    if prompt_lp:
-        lp = jax.nn.log_softmax(logits[R:], axis=-1)
-        tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
-        plp = (tgt, top_ids.astype(jnp.int32), top_lp)
+    plp = prompt_logprobs(logits[R:], inp.prompt_targets, num_logprobs) if prompt_lp else None
     return cache, out, plp, sampled_full
 
 

@@ -30,7 +30,9 @@ import numpy as np
 from flax import nnx
 
 from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.models.cache import cache_block_tokens
 from deepinfer_jax.models.cache_undo import apply_undo, fence, record_undo
+from deepinfer_jax.sampling.sampler import prompt_logprobs
 from deepinfer_jax.sampling.spec_verify import verify_drafts
 
 
@@ -154,9 +156,7 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
                K: int, rule: str, force_accept: float):
     b = inp.batch
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
-    cfg = model.cfg
-    bt = cache.comp_kv[0].shape[1] * cfg.compress_ratios[cfg.kv_source_layer_ids[0]] if cfg.kv_source_layer_ids else 1
-    undo = record_undo(cache, b, bt, cfg)
+    undo = record_undo(cache, b, cache_block_tokens(cache, model.cfg), model.cfg)
     cache, undo = fence(cache, undo)  # the log's reads before the forward's in-place writes
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
@@ -179,12 +179,7 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
                           carry.num_drafts.at[:R].set(jnp.clip(inp.num_drafts_R, 0, K)),
                           carry.token_ids.at[:R].set(jnp.maximum(ver.token_ids, 0)),
                           carry.draft_ids.at[:R].set(out.draft_ids))
-    plp = None
-    if prompt_lp:
-        lp = jax.nn.log_softmax(logits[R * K1:], axis=-1)
-        tgt = jnp.take_along_axis(lp, inp.prompt_targets[:, None], axis=1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs) if num_logprobs else (lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32))
-        plp = (tgt, top_ids.astype(jnp.int32), top_lp)
+    plp = prompt_logprobs(logits[R * K1:], inp.prompt_targets, num_logprobs) if prompt_lp else None
     return cache, out, plp, new_carry
 
 

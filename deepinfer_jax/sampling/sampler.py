@@ -243,3 +243,15 @@ def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> Sa
         top_logprobs_RN = jnp.zeros((R, 0), jnp.float32)
     return SamplerOutput(token_ids=token_R, logprob=logprob_R, top_ids=top_ids_RN.astype(jnp.int32),
                          top_logprobs=top_logprobs_RN)
+
+
+def prompt_logprobs(logits_XV: jax.Array, targets_X: jax.Array, num_logprobs: int):
+    """Raw log-probabilities of each row's target id and the top ``num_logprobs`` (ids, values):
+    the prompt-logprobs rows of a step. Returns ``(target_lp [X], top_ids [X, N], top_lp [X, N])``."""
+    lp = jax.nn.log_softmax(logits_XV, axis=-1)
+    tgt = jnp.take_along_axis(lp, targets_X[:, None], axis=1)[:, 0]
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+    else:
+        top_lp, top_ids = lp[:, :0], jnp.zeros(lp[:, :0].shape, jnp.int32)
+    return tgt, top_ids.astype(jnp.int32), top_lp
