@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--force-accept", type=float, default=None)
     ap.add_argument("--prompts-from", default=None, help="directory of .py files (default: deepinfer_jax/)")
     ap.add_argument("--engine", default="{}", help="JSON of further EngineConfig fields")
+    ap.add_argument("--bucket-multiples", type=int, nargs="+", default=None,
+                    help="token buckets as multiples of C (default 1 .. K+1; fewer = fewer compiles)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -101,6 +103,37 @@ def main(argv=None) -> int:
     extra = json.loads(args.engine)
 
     rows = []
+
+    def report(final: bool):
+        def find(C, m):
+            return next((r for r in rows if r["concurrency"] == C and r["mode"] == m), None)
+
+        say = print if final else (lambda *a, **k: None)
+        say(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+              f"model {model}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
+              f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
+        say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
+              f"{'drafts/row':>10} {'varlen/fixed':>13}")
+        for r in rows:
+            none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
+            vs = r["generated_tokens_per_s"] / none["generated_tokens_per_s"] if none else float("nan")
+            vf = (r["generated_tokens_per_s"] / fixed["generated_tokens_per_s"]
+                  if fixed and r["mode"] == "varlen" else float("nan"))
+            per_row = r["drafts_verified"] / r["spec_rows"] if r["spec_rows"] else 0.0
+            r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
+            say(f"{r['concurrency']:5d} {r['mode']:7} {r['generated_tokens_per_s']:10.1f} {vs:8.2f} "
+                  f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
+                  f"{per_row:10.2f} {vf:13.3f}")
+        out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+                       "jax": jax.__version__, "model": model, "args": vars(args), "num_draft_tokens": K,
+                       "rows": rows}, f, indent=1, default=str)
+        if final:
+            print(f"wrote {out}")
+
     for C in args.concurrency:
         n_prompts = C
         if tok is not None:
@@ -109,7 +142,8 @@ def main(argv=None) -> int:
             prompts = random_prompts(cfg.vocab_size, n_prompts + 4, args.input_len, args.seed + C)
         warm, timed = prompts[:4], prompts[4:]
         chunk = max(args.prefill_chunk, (K + 1) * C)
-        buckets = tuple(sorted({C * j for j in range(1, K + 2)} | {chunk}))
+        mults = args.bucket_multiples or range(1, K + 2)
+        buckets = tuple(sorted({C * j for j in mults} | {(K + 1) * C, chunk}))
         max_len = args.input_len + args.output_len + K + 2
         base_kw = dict(max_num_seqs=C, max_num_batched_tokens=chunk, token_buckets=buckets,
                        max_model_len=max_len, enable_prefix_caching=False, progress=False)
@@ -130,33 +164,9 @@ def main(argv=None) -> int:
                              output_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **s))
             print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s, {s['steps']} steps, "
                   f"tau {s['mean_accepted_length'] or 1.0:.2f}", flush=True)
+            report(final=False)  # the JSON so far, in case a time limit stops the run
 
-    def find(C, m):
-        return next((r for r in rows if r["concurrency"] == C and r["mode"] == m), None)
-
-    print(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"model {model}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
-          f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
-    print(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
-          f"{'drafts/row':>10} {'varlen/fixed':>13}")
-    for r in rows:
-        none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
-        vs = r["generated_tokens_per_s"] / none["generated_tokens_per_s"] if none else float("nan")
-        vf = (r["generated_tokens_per_s"] / fixed["generated_tokens_per_s"]
-              if fixed and r["mode"] == "varlen" else float("nan"))
-        per_row = r["drafts_verified"] / r["spec_rows"] if r["spec_rows"] else 0.0
-        r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
-        print(f"{r['concurrency']:5d} {r['mode']:7} {r['generated_tokens_per_s']:10.1f} {vs:8.2f} "
-              f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
-              f"{per_row:10.2f} {vf:13.3f}")
-    out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-                   "jax": jax.__version__, "model": model, "args": vars(args), "num_draft_tokens": K,
-                   "rows": rows}, f, indent=1, default=str)
-    print(f"wrote {out}")
+    report(final=True)
     return 0
 
 
