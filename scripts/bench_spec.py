@@ -145,7 +145,11 @@ def main(argv=None) -> int:
         mults = args.bucket_multiples or range(1, K + 2)
         buckets = tuple(sorted({C * j for j in mults} | {(K + 1) * C, chunk}))
         max_len = args.input_len + args.output_len + K + 2
+        # one decoder bucket (the largest token bucket): one compiled variant per token bucket
+        # (YOCO's compact prefill would add a variant per smaller bucket; on the GPU each
+        # variant of the spec step compiles for tens of seconds)
         base_kw = dict(max_num_seqs=C, max_num_batched_tokens=chunk, token_buckets=buckets,
+                       decoder_buckets=(max(buckets),),
                        max_model_len=max_len, enable_prefix_caching=False, progress=False)
         base_kw.update(extra)  # --engine overrides the defaults above
         for mode in modes:
