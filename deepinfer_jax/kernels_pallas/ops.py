@@ -38,10 +38,9 @@ _FALLBACKS: collections.Counter = collections.Counter()  # (op, reason) -> trace
 _log = logging.getLogger("deepinfer_jax.kernels")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
 # Kernel modules imported on first use on their platform; each registers its ops on import.
-# (kernels_pallas/sinkhorn.py is not listed yet: it has not run on a GPU; see its docstring.)
 _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
-            "deepinfer_jax.kernels_pallas.moe_gmm"),
+            "deepinfer_jax.kernels_pallas.moe_gmm", "deepinfer_jax.kernels_pallas.sinkhorn"),
 }
 _LOADED: set[str] = set()
 _LOAD_ERRORS: dict[str, list[str]] = {}  # platform -> modules that failed to import

@@ -12,11 +12,9 @@ Numerics: the same operations as the reference; the sums over 4 entries may add 
 order than XLA's reduction (fp32, one ulp), nothing else differs. Interpret mode runs the
 reference's arithmetic exactly.
 
-Status: correct in interpret mode and lowered for sm_90 on the CPU (tests); **not yet compiled
-or timed on a GPU**, so ``ops`` does not load it by default. To validate: run
-``tests/test_sinkhorn_kernel.py -m device`` and ``step_glue_probe.py`` on the GPU, then add this
-module to ``ops._KERNEL_MODULES["gpu"]`` (it registers ``sinkhorn_iterate`` on import via
-``register()``) and rerun ``scripts/device_check.sh`` (golden tests) and ``bench_e2e.py``.
+Status: loaded by default on the GPU (``ops._KERNEL_MODULES["gpu"]``); its device tests
+(``tests/test_sinkhorn_kernel.py -m device``) and the golden tests with it on run in
+``scripts/device_check.sh``.
 """
 
 from __future__ import annotations
