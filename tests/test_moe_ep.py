@@ -48,6 +48,8 @@ SCRIPT = textwrap.dedent("""
         T, X, D, F = 13, 3, 128, 64
         x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
         idx = jnp.asarray(rng.integers(-1, E + 1, (T, X)), jnp.int32)   # -1 and E: off every shard
+        if E == 6:  # skewed: every entry on experts 0-1, i.e. on the first shard (a2a's worst case)
+            idx = jnp.asarray(rng.integers(0, 2, (T, X)), jnp.int32)
         wt = jnp.asarray(rng.uniform(0.1, 1, (T, X)), jnp.float32)
 
         def mk(O, K):
@@ -85,16 +87,30 @@ SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(out, ref, rtol=2**-7, atol=0)
         assert (out != ref).mean() < 0.01
         print("case", E, fmt, axes, "all-gather" in hlo, "all-reduce" in hlo)
+        # the all-to-all scheme: tokens sent only to their experts' devices, the same rows
+        with jax.set_mesh(mesh):
+            g = jax.jit(lambda *a: moe_ep.moe_experts_ep(moe_gmm_ref.moe_experts_ref, *a, fmt, 0.75, E,
+                                                         scheme="a2a"))
+            out2 = np.asarray(g(x, idx, wt, *placed), np.float32)
+            hlo2 = g.lower(x, idx, wt, *placed).compile().as_text()
+        np.testing.assert_array_equal(out2, out)
+        print("a2a", E, fmt, axes, "all-to-all" in hlo2, "all-reduce" in hlo2)
 """)
 
 
 def test_sharded_op_equals_single_device_and_keeps_weights_local():
+    """Both schemes (psum, a2a) on a 2 x 2 CPU mesh; T = 13 tokens do not split evenly."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     cases = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("case")]
     assert len(cases) == 4, r.stdout
+    a2a = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("a2a")]
+    assert len(a2a) == 4, r.stdout   # each equal to the psum scheme bit for bit (asserted in SCRIPT)
+    for _, E, fmt, *rest in a2a:
+        if E != "7":  # experts split: rows move by all-to-all, nothing is all-reduced
+            assert rest[-2] == "True" and rest[-1] == "False", (E, fmt, rest)
     for _, E, fmt, *rest in cases:
         gathered, reduced = rest[-2] == "True", rest[-1] == "True"
         if E == "7":  # nothing divides 7: replicated weights, the plain op, no collective
