@@ -28,6 +28,7 @@ import os
 import warnings
 from typing import Callable
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
 BACKENDS = ("auto", "reference")
@@ -139,7 +140,10 @@ def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = Tru
     rows = _FULL_ROWS.get()
     if rows is not None and current_backend() == "reference":
         return full_rows_ref.sparse_attention_rows(q_THA, pools, idxs, sink_H, scale, rows)
-    return _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)(q_THA, pools, idxs, sink_H, scale, exact)
+    fn = _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)
+    if fn is sparse_attention_ref.sparse_attention_ref and bi.enabled():  # per token: on fixed token tiles
+        return bi.rowwise(lambda q, *ix: fn(q, pools, ix, sink_H, scale, exact), q_THA, *idxs)
+    return fn(q_THA, pools, idxs, sink_H, scale, exact)
 
 
 def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T):
@@ -153,8 +157,11 @@ def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T
     if rows is not None and current_backend() == "reference":
         return full_rows_ref.indexer_scores_pool_rows(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T,
                                                       pool_scale_P, rows)
-    return _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)(q_TIJ, pool_PJ, entry_RN, token_row_T,
-                                                                                  w_TI, n_visible_T, pool_scale_P)
+    fn = _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)
+    if fn is indexer_topk_ref.indexer_scores_pool_ref and bi.enabled():  # per token: on fixed token tiles
+        return bi.rowwise(lambda q, r, w, n: fn(q, pool_PJ, entry_RN, r, w, n, pool_scale_P),
+                          q_TIJ, token_row_T, w_TI, n_visible_T)
+    return fn(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P)
 
 
 def candidate_blocks(score_TN, n_visible_T, topk_blocks: int, block: int):
