@@ -110,23 +110,44 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 # --------------------------------------------------------------------------- row-tiled products
 
 
-def rowwise(fn: Callable, *xs: jax.Array, tile: int = ROW_TILE):
-    """``fn(*xs)`` for a ``fn`` that maps leading rows to leading rows independently (a matmul);
-    in batch-invariant mode evaluated on zero-padded tiles of ``tile`` rows in sequence, so the
+def rowwise(fn: Callable, *xs: jax.Array, consts: tuple = (), tile: int = ROW_TILE):
+    """``fn(*xs, *consts)`` for a ``fn`` that maps the leading rows of ``xs`` to leading rows
+    independently (a matmul; ``consts``: its operands without rows, e.g. the weight). In
+    batch-invariant mode it runs on zero-padded tiles of ``tile`` rows in sequence, so the
     compiled product has one shape for every step size."""
     if not enabled():
-        return fn(*xs)
+        return fn(*xs, *consts)
     T = xs[0].shape[0]
     n = max(1, -(-T // tile))
-    tiles = tuple(jnp.pad(x, [(0, n * tile - T)] + [(0, 0)] * (x.ndim - 1)).reshape(n, tile, *x.shape[1:])
-                  for x in xs)
-    out = jax.lax.map(lambda args: fn(*args), tiles)
-    return jax.tree.map(lambda y: y.reshape(n * tile, *y.shape[2:])[:T], out)
+    padded = tuple(jnp.pad(x, [(0, n * tile - T)] + [(0, 0)] * (x.ndim - 1)) for x in xs)
+    return _tile_loop(lambda i, args, cs: fn(*args, *cs), n, tile, padded, T, consts)
+
+
+def _tile_loop(body: Callable, n: int, tile: int, padded: tuple, T: int, consts: tuple = ()):
+    """``body(i, tiles, consts)`` for tiles ``i = 0..n-1`` of ``tile`` rows of the ``padded``
+    arrays, in a loop whose trip count XLA does not see (a loop of one tile is not inlined into
+    the step). ``consts`` reach the body through an optimization barrier: XLA cannot fold a
+    transpose of the weight into the product in one compile and not in another (it did: the
+    same ``[32, 512] @ [512, 24]`` tile contracted a transposed weight at T=16 and a
+    materialised one at T=64, and the sums differed)."""
+    def piece(i):
+        return tuple(jax.lax.dynamic_slice_in_dim(x, i * tile, tile) for x in padded)
+
+    out_shape = jax.eval_shape(lambda a, c: body(0, a, c), piece(0), consts)
+    init = jax.tree.map(lambda s: jnp.zeros((n * tile, *s.shape[1:]), s.dtype), out_shape)
+
+    def step(i, acc):
+        y = body(i, piece(i), jax.lax.optimization_barrier(consts))
+        return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * tile, 0), acc, y)
+
+    trips = jax.lax.optimization_barrier(jnp.int32(n))
+    out = jax.lax.fori_loop(0, trips, step, init)
+    return jax.tree.map(lambda y: y[:T], out)
 
 
 def matmul(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
     """``jnp.matmul(x, w, **kw)`` with ``x`` [rows, K] (row-tiled in batch-invariant mode)."""
-    return rowwise(lambda a: jnp.matmul(a, w, **kw), x)
+    return rowwise(lambda a, w: jnp.matmul(a, w, **kw), x, consts=(w,))
 
 
 def ragged_dot(x_MK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, **kw) -> jax.Array:
@@ -140,6 +161,8 @@ def ragged_dot(x_MK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, **kw
     starts = ends - group_sizes_E
     lo = (jnp.arange(n) * ROW_TILE)[:, None]
     sizes_nE = (jnp.clip(ends[None] - lo, 0, ROW_TILE) - jnp.clip(starts[None] - lo, 0, ROW_TILE)).astype(group_sizes_E.dtype)
-    xt = jnp.pad(x_MK, ((0, n * ROW_TILE - M), (0, 0))).reshape(n, ROW_TILE, -1)
-    out = jax.lax.map(lambda a: jax.lax.ragged_dot(a[0], w_EKN, a[1], **kw), (xt, sizes_nE))
-    return out.reshape(n * ROW_TILE, -1)[:M]
+    xt = jnp.pad(x_MK, ((0, n * ROW_TILE - M), (0, 0)))
+    def body(i, a, c):
+        return jax.lax.ragged_dot(a[0], c[0], jax.lax.dynamic_index_in_dim(c[1], i, keepdims=False), **kw)
+
+    return _tile_loop(body, n, ROW_TILE, (xt,), M, (w_EKN, sizes_nE))

@@ -142,7 +142,9 @@ def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = Tru
         return full_rows_ref.sparse_attention_rows(q_THA, pools, idxs, sink_H, scale, rows)
     fn = _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)
     if fn is sparse_attention_ref.sparse_attention_ref and bi.enabled():  # per token: on fixed token tiles
-        return bi.rowwise(lambda q, *ix: fn(q, pools, ix, sink_H, scale, exact), q_THA, *idxs)
+        n = len(idxs)
+        return bi.rowwise(lambda q, *a: fn(q, a[n:-1], a[:n], a[-1], scale, exact), q_THA, *idxs,
+                          consts=(*pools, sink_H))
     return fn(q_THA, pools, idxs, sink_H, scale, exact)
 
 
@@ -159,8 +161,9 @@ def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T
                                                       pool_scale_P, rows)
     fn = _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)
     if fn is indexer_topk_ref.indexer_scores_pool_ref and bi.enabled():  # per token: on fixed token tiles
-        return bi.rowwise(lambda q, r, w, n: fn(q, pool_PJ, entry_RN, r, w, n, pool_scale_P),
-                          q_TIJ, token_row_T, w_TI, n_visible_T)
+        return bi.rowwise(lambda q, r, w, n, pool, entry, *sc: fn(q, pool, entry, r, w, n, *sc),
+                          q_TIJ, token_row_T, w_TI, n_visible_T,
+                          consts=(pool_PJ, entry_RN) + (() if pool_scale_P is None else (pool_scale_P,)))
     return fn(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P)
 
 

@@ -66,7 +66,8 @@ class Attention(nnx.Module):
         T = o.shape[0]
         o = o.reshape(T, self.n_groups, -1)
         wo_a = self.wo_a.dequantized().reshape(self.n_groups, self.o_rank, -1)
-        o = bi.rowwise(lambda o: jnp.einsum("tgd,grd->tgr", o, wo_a, preferred_element_type=jnp.float32), o)
+        o = bi.rowwise(lambda o, w: jnp.einsum("tgd,grd->tgr", o, w, preferred_element_type=jnp.float32), o,
+                       consts=(wo_a,))
         o = o.astype(jnp.bfloat16)
         return self.wo_b(o.reshape(T, -1))
 
