@@ -10,7 +10,7 @@ Scenario: the random ``v41-tiny`` preset, two token buckets (50 and 64) so that 
 runs at another padded size than in a batch (a 50-token prompt alone is one T=50 step; in the
 batch it is chunked into T=64 steps; a decode step alone is T=50, in the batch T=64), compact
 YOCO truncation on (the default). ``decoder_buckets=(64,)`` keeps the decoder at the step's size,
-so each engine compiles two step variants. The device twin (``-m device``) runs the same
+so each engine compiles two step variants (and its first step once more: the fresh cache). The device twin (``-m device``) runs the same
 evidence on a GPU with the kernels on (``DEEPINFER_KERNELS=auto``).
 """
 
@@ -70,7 +70,7 @@ def alone(llm, prompts, params) -> list[dict]:
     return [generate(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
 
 
-# the 50-token prompt is the one whose T=50 and T=64 prefills differ with the mode off
+# five prompts of 5..49 tokens and one of 50 (a single T=50 prefill alone)
 PROMPTS = make_prompts(5, 1) + [make_prompts(1, 12, (50, 51))[0]]
 PARAMS = make_params(len(PROMPTS))
 
