@@ -18,6 +18,8 @@ SPEC_RULES = ("uniform", "coupled")
 # is left at None: DEEPINFER_USE_NEXTN_DECODE=1 -> spec_decode="dspark",
 # DEEPINFER_ENABLE_MTP_VARLEN=0/1 -> spec_varlen
 SPEC_ALIASES = {"DEEPINFER_USE_NEXTN_DECODE": "spec_decode", "DEEPINFER_ENABLE_MTP_VARLEN": "spec_varlen"}
+# DEEPINFER_BATCH_INVARIANT=0/1 -> batch_invariant (keyword alias, and the default when the field is None)
+BATCH_INVARIANT_ALIAS = "DEEPINFER_BATCH_INVARIANT"
 
 
 def _env_flag(name: str, raw) -> bool:
@@ -50,6 +52,7 @@ _FIELD_TYPES = {
     "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
+    "batch_invariant": ("bool", None, True),
 }
 
 
@@ -97,6 +100,10 @@ class EngineConfig:
     dp: int = 1
     cp: int = 1
     precompile: bool = True                # compile every bucket at start-up
+    # a request's logits (and, with its seed, its tokens) do not depend on the other requests of
+    # its steps, the padded step size or its prompt's chunking (base/batch_invariant.py; costs
+    # throughput, scripts/bench_batch_invariance.py). None: $DEEPINFER_BATCH_INVARIANT, else False
+    batch_invariant: bool | None = None
     # --- speculative decoding (FEATURES §4) ---
     # "dspark": the model's DSpark stages draft a block after every step and the next step
     # verifies it; None: $DEEPINFER_USE_NEXTN_DECODE (1 -> "dspark"), else "off"
@@ -200,7 +207,13 @@ class EngineConfig:
         if dec[0] < 1:
             self._bad("decoder_buckets", "sizes must be >= 1")
         spec, n_draft, varlen = self._resolve_spec(cfg)
-        return dataclasses.replace(self, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
+        inv = self.batch_invariant
+        if inv is None:
+            import os
+
+            env = os.environ.get(BATCH_INVARIANT_ALIAS)
+            inv = env is not None and _env_flag(BATCH_INVARIANT_ALIAS, env)
+        return dataclasses.replace(self, batch_invariant=inv, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
                                    enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec, spec_decode=spec, num_draft_tokens=n_draft,
@@ -301,6 +314,10 @@ class EngineConfig:
                     raise ValueError(f"engine config: both {alias} and its field {field} given")
                 on = _env_flag(alias, kw.pop(alias))
                 kw[field] = ("dspark" if on else "off") if field == "spec_decode" else on
+        if BATCH_INVARIANT_ALIAS in kw:
+            if "batch_invariant" in kw:
+                raise ValueError(f"engine config: both {BATCH_INVARIANT_ALIAS} and its field batch_invariant given")
+            kw["batch_invariant"] = _env_flag(BATCH_INVARIANT_ALIAS, kw.pop(BATCH_INVARIANT_ALIAS))
         unknown = sorted(set(kw) - names)
         if unknown:
             raise ValueError(f"unknown engine config field(s) {unknown}; known: {sorted(names)}")

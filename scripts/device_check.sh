@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU correctness pass in one call (for the lent device machine, or any CUDA box):
-#   1. the kernels' compiled tests (`-m device`), one pytest process per kernel, in parallel;
+#   1. the kernels' compiled tests (`-m device`), one pytest process per kernel, in parallel, and
+#      the batch-invariance device tests (tests/test_batch_invariance.py -m device);
 #   2. the model's golden tests, the engine tests and the cache-consistency tests with the
 #      kernels switched on (DEEPINFER_KERNELS=auto: the GPU default);
 #   3. optionally (E2E=1) scripts/bench_e2e.py once the tests are done (a quiet GPU for timing).
@@ -42,6 +43,7 @@ run_tests moe_kernel -m device tests/test_moe_gmm_kernel.py &
 run_tests sparse_kernel -m device tests/test_sparse_attention_kernel.py &
 run_tests indexer_kernel -m device tests/test_indexer_topk_kernel.py &
 run_tests sinkhorn_kernel -m device tests/test_sinkhorn_kernel.py &
+run_tests batch_invariance -m device -s tests/test_batch_invariance.py &
 run_tests model_kernels_on -m "not slow" -rs tests/test_golden.py tests/test_cache_consistency.py tests/test_engine.py &
 if [ -n "${EXTRA:-}" ]; then
   (timeout "$TEST_TIMEOUT" bash -c "$EXTRA" >"$LOGS/extra.log" 2>&1; echo $? >"$LOGS/extra.rc") &

@@ -25,7 +25,8 @@ q/k are fp4-QDQ'd, and the indexer picks a discrete top-k. A 1-ulp fp32/bf16 dif
 compressor) can cross a fp4 rounding boundary, change an index score enough to swap a top-k
 entry, and then change whole attention outputs: one-shot prefill of the same 50-token prompt at
 T=50 vs T=64 differs by 0.68 max |logit| (logit std ~1.0) and flips greedy tokens (see
-``test_step_shape_invariance``, marked slow + xfail). So there is no tolerance that is both
+``test_step_shape_invariance``, marked slow + xfail; in batch-invariant mode the two are bitwise
+equal, ``test_step_shape_invariance_batch_invariant``). So there is no tolerance that is both
 meaningful for a cache bug and robust to a changed T; we fix T and demand equality up to
 ``ATOL``/``RTOL`` = 1e-5 on fp32 logits of magnitude <~5, i.e. far below one bf16 ulp
 (2^-8 relative) of any activation — a cache bug that changes a single bf16 value anywhere upstream fails it.
@@ -74,9 +75,9 @@ def prompt(length: int, seed: int) -> list[int]:
 class Runner:
     """A fresh SequenceDriver whose steps all run at the fixed padded shape."""
 
-    def __init__(self, tiny):
+    def __init__(self, tiny, batch_invariant: bool = False):
         model, hasher = tiny
-        self.drv = SequenceDriver(model, CC, hasher)
+        self.drv = SequenceDriver(model, CC, hasher, batch_invariant=batch_invariant)
 
     def step(self, chunks, which: str = "all") -> list[np.ndarray]:
         """One ragged step; returns each chunk's logits (``all``: [len, V], ``last``: [1, V])."""
@@ -327,3 +328,13 @@ def test_step_shape_invariance(tiny):
     model, hasher = tiny
     native, _, _ = SequenceDriver(model, CC, hasher).step([(0, toks)], logits="all")
     assert_same(native, want, "native T=50 vs padded T=64")
+
+
+def test_step_shape_invariance_batch_invariant(tiny):
+    """``test_step_shape_invariance`` in batch-invariant mode (``base/batch_invariant.py``): the
+    T=50 and T=64 prefills give bit-identical logits. Costs two compiles."""
+    toks = prompt(50, 12)
+    want = Runner(tiny, batch_invariant=True).prefill(0, toks)
+    model, hasher = tiny
+    native, _, _ = SequenceDriver(model, CC, hasher, batch_invariant=True).step([(0, toks)], logits="all")
+    np.testing.assert_array_equal(native, want, err_msg="native T=50 vs padded T=64, batch-invariant")

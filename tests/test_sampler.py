@@ -32,9 +32,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def run(logits: np.ndarray, rows: list, num_rows: int | None = None, num_logprobs: int = 0, **kw):
+def run(logits: np.ndarray, rows: list, num_rows: int | None = None, num_logprobs: int = 0,
+        batch_invariant: bool = False, **kw):
     sb = build_sampling_batch(rows, num_rows or len(rows), logits.shape[1], **kw)
-    out = sample(logits, sb, num_logprobs=num_logprobs)
+    out = sample(logits, sb, num_logprobs=num_logprobs, batch_invariant=batch_invariant)
     return jax.tree.map(np.asarray, out)
 
 
@@ -198,8 +199,9 @@ PARAM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("params", PARAM_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
-def test_row_alone_equals_row_in_batch(params):
+def test_row_alone_equals_row_in_batch(params, batch_invariant):
     V = 64
     target = rand_logits(1, V, scale=1.0)  # flat-ish so that sampling is genuinely random
     others = rand_logits(7, V)
@@ -208,15 +210,20 @@ def test_row_alone_equals_row_in_batch(params):
                                        (0.8, 20, 0.95, 0.01), (1.0, 0, 1.0, 0.0), (3.0, 2, 0.5, 0.1)]]
     for position in (0, 17, 4096):
         seed = 123456789012345
-        alone = run(target, [(params, seed, position)]).token_ids[0]
+        kw = dict(batch_invariant=batch_invariant, num_logprobs=3)
+        alone = run(target, [(params, seed, position)], **kw)
         batch_logits = np.concatenate([others[:5], target, others[5:]], axis=0)
         batch_rows = [(p, 1000 + i, position + i) for i, p in enumerate(other_params)]
         batch_rows.insert(5, (params, seed, position))
-        in_batch = run(batch_logits, batch_rows, num_banned=4).token_ids
-        padded = run(np.concatenate([target, others[:3]]), [(params, seed, position)], num_rows=4).token_ids
-        assert in_batch[5] == alone and padded[0] == alone
-        again = run(batch_logits, batch_rows, num_banned=4).token_ids
-        np.testing.assert_array_equal(again, in_batch)
+        in_batch = run(batch_logits, batch_rows, num_banned=4, **kw)
+        padded = run(np.concatenate([target, others[:3]]), [(params, seed, position)], num_rows=4, **kw)
+        assert in_batch.token_ids[5] == alone.token_ids[0] and padded.token_ids[0] == alone.token_ids[0]
+        if batch_invariant:  # the logprobs too, bit for bit
+            for f in ("logprob", "top_ids", "top_logprobs"):
+                np.testing.assert_array_equal(getattr(in_batch, f)[5], getattr(alone, f)[0], err_msg=f)
+                np.testing.assert_array_equal(getattr(padded, f)[0], getattr(alone, f)[0], err_msg=f)
+        again = run(batch_logits, batch_rows, num_banned=4, **kw)
+        np.testing.assert_array_equal(again.token_ids, in_batch.token_ids)
 
 
 def test_seeds_and_positions_change_draws():
@@ -259,12 +266,14 @@ def np_softmax(x):
     return e / e.sum()
 
 
-def test_temperature_sampling_matches_softmax():
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_temperature_sampling_matches_softmax(batch_invariant):
     V, n, T = 8, 4000, 0.7
     row = rand_logits(1, V, scale=0.8)
     row[0] = np.clip(row[0], -1.0, 1.0)  # every token likely enough for the chi-square
     logits = np.tile(row, (n, 1))
-    tokens = run(logits, [(SamplingParams(temperature=T), 42, pos) for pos in range(n)]).token_ids
+    tokens = run(logits, [(SamplingParams(temperature=T), 42, pos) for pos in range(n)],
+                 batch_invariant=batch_invariant).token_ids
     assert_matches(tokens, np_softmax(row[0].astype(np.float64) / T))
 
 
@@ -325,11 +334,13 @@ def test_filter_order_min_p_before_top_p_as_vllm():
     np.testing.assert_array_equal(tokens, 0)
 
 
-def test_filtered_sampling_matches_renormalised_distribution():
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_filtered_sampling_matches_renormalised_distribution(batch_invariant):
     V, n, T = 8, 4000, 1.2
     row = np.log(np.array([0.3, 0.02, 0.2, 0.15, 0.005, 0.12, 0.1, 0.105]))[None].astype(np.float32)
     params = SamplingParams(temperature=T, top_k=6, top_p=0.85, min_p=0.05)
-    tokens = run(np.tile(row, (n, 1)), [(params, 77, pos) for pos in range(n)]).token_ids
+    tokens = run(np.tile(row, (n, 1)), [(params, 77, pos) for pos in range(n)],
+                 batch_invariant=batch_invariant).token_ids
     scaled = row[0].astype(np.float64) / T
     keep = np_filter_keep(scaled, params.top_k, params.top_p, params.min_p)
     assert 2 < keep.sum() < 6  # every filter does something here

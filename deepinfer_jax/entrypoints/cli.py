@@ -95,6 +95,8 @@ def cmd_generate(args) -> int:
                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
                   index_key_dtype=args.index_key_dtype,
                   precompile=not args.no_precompile)
+    if args.batch_invariant:
+        engine["batch_invariant"] = True
     if args.token_buckets:
         engine["token_buckets"] = tuple(parse_int_list("--token-buckets", args.token_buckets))
     if args.max_model_len is not None:
@@ -141,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", default=None, choices=["auto", "reference"],
                    help="kernel backend (default: $DEEPINFER_KERNELS or auto)")
     g.add_argument("--no-precompile", action="store_true", help="compile buckets on first use")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's output does not depend on its batch (default: $DEEPINFER_BATCH_INVARIANT)")
     g.add_argument("--index-key-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="index-key cache format: fp8 = e5m2 codes + a scale per key (same results, ~half the bytes)")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")

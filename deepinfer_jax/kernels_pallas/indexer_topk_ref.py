@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 
 
@@ -21,7 +22,7 @@ def indexer_scores_ref(q_TIJ: jax.Array, k_TNJ: jax.Array, w_TI: jax.Array, n_vi
                    preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     s = jnp.maximum(s, 0)
     prod = (s.astype(jnp.float32) * w_TI.astype(jnp.float32)[..., None]).astype(jnp.bfloat16)
-    score = jnp.sum(prod.astype(jnp.float32), axis=1).astype(jnp.bfloat16)
+    score = bi.row_sum(prod.astype(jnp.float32), axis=1).astype(jnp.bfloat16)
     n = score.shape[-1]
     visible = jnp.arange(n)[None, :] < n_visible_T[:, None]
     return jnp.where(visible, score, -jnp.inf)

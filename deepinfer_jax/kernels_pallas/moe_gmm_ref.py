@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 
 
@@ -25,8 +26,8 @@ def dequant_experts(w: jax.Array, scale: jax.Array | None, fmt: str) -> jax.Arra
 
 
 def _grouped(x_MK: jax.Array, w_EOK: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-    return jax.lax.ragged_dot(x_MK, jnp.swapaxes(w_EOK, 1, 2), group_sizes_E,
-                              preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return bi.ragged_dot(x_MK, jnp.swapaxes(w_EOK, 1, 2), group_sizes_E,
+                         preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
 def moe_experts_ref(x_TD: jax.Array, idx_TX: jax.Array, weight_TX: jax.Array,

@@ -28,6 +28,7 @@ import os
 import warnings
 from typing import Callable
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
 BACKENDS = ("auto", "reference")
@@ -138,7 +139,12 @@ def sparse_attention(q_THA, pools, idxs, sink_H, scale: float, exact: bool = Tru
     rows = _FULL_ROWS.get()
     if rows is not None and current_backend() == "reference":
         return full_rows_ref.sparse_attention_rows(q_THA, pools, idxs, sink_H, scale, rows)
-    return _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)(q_THA, pools, idxs, sink_H, scale, exact)
+    fn = _pick("sparse_attention", sparse_attention_ref.sparse_attention_ref)
+    if fn is sparse_attention_ref.sparse_attention_ref and bi.enabled():  # per token: on fixed token tiles
+        n = len(idxs)
+        return bi.rowwise(lambda q, *a: fn(q, a[n:-1], a[:n], a[-1], scale, exact), q_THA, *idxs,
+                          consts=(*pools, sink_H))
+    return fn(q_THA, pools, idxs, sink_H, scale, exact)
 
 
 def indexer_scores(q_TIJ, k_TNJ, w_TI, n_visible_T):
@@ -152,8 +158,12 @@ def indexer_scores_pool(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T
     if rows is not None and current_backend() == "reference":
         return full_rows_ref.indexer_scores_pool_rows(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T,
                                                       pool_scale_P, rows)
-    return _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)(q_TIJ, pool_PJ, entry_RN, token_row_T,
-                                                                                  w_TI, n_visible_T, pool_scale_P)
+    fn = _pick("indexer_scores_pool", indexer_topk_ref.indexer_scores_pool_ref)
+    if fn is indexer_topk_ref.indexer_scores_pool_ref and bi.enabled():  # per token: on fixed token tiles
+        return bi.rowwise(lambda q, r, w, n, pool, entry, *sc: fn(q, pool, entry, r, w, n, *sc),
+                          q_TIJ, token_row_T, w_TI, n_visible_T,
+                          consts=(pool_PJ, entry_RN) + (() if pool_scale_P is None else (pool_scale_P,)))
+    return fn(q_TIJ, pool_PJ, entry_RN, token_row_T, w_TI, n_visible_T, pool_scale_P)
 
 
 def candidate_blocks(score_TN, n_visible_T, topk_blocks: int, block: int):

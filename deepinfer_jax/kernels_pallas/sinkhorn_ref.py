@@ -9,10 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.base import batch_invariant as bi
+
 
 def sinkhorn_step(c: jax.Array, eps: float) -> jax.Array:
-    c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-    return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    c = c / (bi.row_sum(c, axis=-1, keepdims=True) + eps)
+    return c / (bi.row_sum(c, axis=-2, keepdims=True) + eps)
 
 
 def sinkhorn_iterate_ref(comb_TCC: jax.Array, n: int, eps: float) -> jax.Array:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.base import batch_invariant as bi
+
 BLOCK = 64  # entries per online-softmax step of the reference kernel
 
 
@@ -49,7 +51,7 @@ def sparse_attention_ref(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: t
         m_entry = m_final[..., None]
     p = jnp.exp(s - m_entry)  # fp32, relative to the running max
     rescale = jnp.exp(m_entry - m_final[..., None])
-    denom = jnp.sum(p * rescale, axis=-1) + jnp.exp(sink_H.astype(jnp.float32) - m_final)
+    denom = bi.row_sum(p * rescale, axis=-1) + jnp.exp(sink_H.astype(jnp.float32) - m_final)
     p_bf = p.astype(jnp.bfloat16).astype(jnp.float32) * rescale
     o = jnp.einsum("thm,tma->tha", p_bf, kv_TMA, precision=jax.lax.Precision.HIGHEST)
     return (o / denom[..., None]).astype(jnp.bfloat16)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 from deepinfer_jax.layers.linear import Linear
 
@@ -47,8 +48,8 @@ class Engram(nnx.Module):
         w = self.q_weight[...].astype(jnp.float32) * self.k_weight[...].astype(jnp.float32)
         h = x_TCD.astype(jnp.float32)
         eps = jnp.float32(self.eps)
-        rstd = jax.lax.rsqrt(jnp.mean(h * h, -1) + eps) * jax.lax.rsqrt(jnp.mean(key * key, -1) + eps)
-        dot = jnp.sum(h * w * key, -1) * rstd * jnp.float32(D ** -0.5)
+        rstd = jax.lax.rsqrt(bi.row_mean(h * h, -1) + eps) * jax.lax.rsqrt(bi.row_mean(key * key, -1) + eps)
+        dot = bi.row_sum(h * w * key, -1) * rstd * jnp.float32(D ** -0.5)
         gate = jax.nn.sigmoid(jnp.where(jnp.signbit(dot), -1.0, 1.0) * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
         if live_T is not None:
             gate = jnp.where(live_T[:, None], gate, 0)

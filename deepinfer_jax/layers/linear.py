@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -27,13 +28,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def matmul_bf16(x: jax.Array, w_T: jax.Array) -> jax.Array:
     """bf16 x bf16 with fp32 accumulation, rounded to bf16. ``w_T`` is [in, out]."""
-    return jnp.matmul(x.astype(jnp.bfloat16), w_T.astype(jnp.bfloat16),
-                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return bi.matmul(x.astype(jnp.bfloat16), w_T.astype(jnp.bfloat16),
+                     preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
 def matmul_f32(x: jax.Array, w_T: jax.Array) -> jax.Array:
     """Full-precision fp32 product (no TF32 / bf16 passes on any backend)."""
-    return jnp.matmul(x.astype(jnp.float32), w_T.astype(jnp.float32), precision=HIGHEST)
+    return bi.matmul(x.astype(jnp.float32), w_T.astype(jnp.float32), precision=HIGHEST)
 
 
 def _storage(fmt: str, out_features: int, in_features: int, block: int = 32):

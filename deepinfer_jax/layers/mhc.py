@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.layers.linear import HIGHEST
 
@@ -28,8 +29,8 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = comb / jnp.sum(comb, axis=-1, keepdims=True) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    comb = comb / bi.row_sum(comb, axis=-1, keepdims=True) + eps
+    comb = comb / (bi.row_sum(comb, axis=-2, keepdims=True) + eps)
 
     comb = (iterate or ops.sinkhorn_iterate)(comb, iters - 1, eps)  # kernels_pallas/sinkhorn_ref.py
     return pre, post, comb
@@ -73,6 +74,6 @@ def hc_mixes(x_TCD: jax.Array, fn_ZX: jax.Array, base_Z: jax.Array, scale_3: jax
              hc: int, iters: int, hc_eps: float, norm_eps: float):
     """(pre, post, comb) of a sub-layer from its input stream ``X [T, C, D]``."""
     x = x_TCD.reshape(*x_TCD.shape[:-2], -1).astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + jnp.float32(norm_eps))
-    m = jnp.matmul(x, fn_ZX.T, precision=HIGHEST) * rsqrt
+    rsqrt = jax.lax.rsqrt(bi.row_mean(jnp.square(x), axis=-1, keepdims=True) + jnp.float32(norm_eps))
+    m = bi.matmul(x, fn_ZX.T, precision=HIGHEST) * rsqrt
     return sinkhorn_split(m, scale_3, base_Z, hc, iters, hc_eps)

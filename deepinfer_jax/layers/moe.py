@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.layers.linear import Linear, _storage, matmul_f32
 
@@ -32,7 +33,7 @@ class Gate(nnx.Module):
         _, idx = jax.lax.top_k(scores + self.bias[...], self.topk)
         w = jnp.take_along_axis(scores, idx, axis=-1)
         if self.norm_topk and self.topk > 1:
-            w = w / (jnp.sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
+            w = w / (bi.row_sum(w, axis=-1, keepdims=True) + jnp.float32(1e-20))
         return w * jnp.float32(self.route_scale), idx
 
 

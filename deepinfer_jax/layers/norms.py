@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    var = bi.row_mean(jnp.square(xf), axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(var + jnp.float32(eps))
     return (weight.astype(jnp.float32) * y).astype(x.dtype)
 

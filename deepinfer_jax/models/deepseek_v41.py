@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.layers import mhc
 from deepinfer_jax.layers.attention.csa import Attention
 from deepinfer_jax.layers.attention.kv_index import StepContext
@@ -143,7 +144,7 @@ class DeepseekV41ForCausalLM(nnx.Module):
                 x = block.engram(x, batch.engram_ids[:, e, :])
                 ctx.tap(f"engram{i}_out", x)
             if i in cfg.dspark_target_layer_ids:
-                main.append(jnp.mean(x.astype(jnp.float32), axis=1).astype(x.dtype))
+                main.append(bi.row_mean(x.astype(jnp.float32), axis=1).astype(x.dtype))
             x, pre = block(x, pre, lambda h, b=block: b.attn(ctx, h), taps)
             ctx.tap(f"block{i}_h", x)
             ctx.tap(f"block{i}_pre_mix", pre)

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.interrupts import deferred_interrupts
 from deepinfer_jax.kernels_pallas import ops
@@ -35,8 +36,9 @@ from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
 
 
 def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
-               num_logprobs: int, prompt_lp: bool, kernels: str):
-    with ops.use_backend(kernels):  # ops pick kernels at trace time; ``kernels`` keys the compile cache
+               num_logprobs: int, prompt_lp: bool, kernels: str, batch_invariant: bool = False):
+    # ops pick kernels and numerics at trace time; ``kernels`` and ``batch_invariant`` key the compile cache
+    with ops.use_backend(kernels), bi.use(batch_invariant):
         return _step_body(graphdef, state_treedef, state_leaves, cache, inp, prev_sampled_R, engram_tables,
                           num_logprobs, prompt_lp)
 
@@ -54,7 +56,7 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
-    out = sample(logits[:R], inp.sampling, num_logprobs)
+    out = sample(logits[:R], inp.sampling, num_logprobs, batch_invariant=bi.enabled())
     # the next step's placeholders index this step's rows: keep a fixed-size copy
     sampled_full = jnp.zeros_like(prev_sampled_R).at[:R].set(out.token_ids)
     plp = prompt_logprobs(logits[R:], inp.prompt_targets, num_logprobs) if prompt_lp else None
@@ -75,11 +77,13 @@ def step_function(graphdef, state_treedef, spec: bool = False):
     if fn is None:
         if spec:  # runner/spec_step.py: verify, roll back, draft
             fn = jax.jit(functools.partial(spec_step_impl, graphdef, state_treedef),
-                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept"),
+                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept",
+                                          "batch_invariant"),
                          donate_argnames=("cache",))
         else:
             fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
-                         static_argnames=("num_logprobs", "prompt_lp", "kernels"), donate_argnames=("cache",))
+                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "batch_invariant"),
+                         donate_argnames=("cache",))
         _STEP_FNS[key] = fn
     return fn
 
@@ -131,6 +135,7 @@ class ModelRunner:
         self.mesh = mesh
         self.cfg = cfg or ModelConfig.from_json(model_dir)
         self.kernels = ec.kernels or ops.default_backend()  # this runner's choice, not the process's
+        self.batch_invariant = bool(getattr(ec, "batch_invariant", False))  # base/batch_invariant.py
         # ops that shard_map a kernel read the context mesh at trace time (moe_ep.py); without a
         # mesh the step runs on one device, said with a one-device mesh so that a multi-GPU host
         # keeps its kernels (several devices and no mesh would make them fall back)
@@ -207,7 +212,7 @@ class ModelRunner:
                     self.state_leaves, self.cache, inp, self.spec_carry, self.engram_tables,
                     num_logprobs=self.ec.max_logprobs,
                     prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule,
-                    force_accept=float(self.ec.spec_force_accept or 0.0))
+                    force_accept=float(self.ec.spec_force_accept or 0.0), batch_invariant=self.batch_invariant)
             return StepHandle(sched, out, plp, offsets, t0, T, spec=True)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
@@ -216,7 +221,8 @@ class ModelRunner:
         with jax.set_mesh(self.trace_mesh), deferred_interrupts():
             self.cache, out, plp, self.prev_sampled = self._step(
                 self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
-                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels)
+                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
+                batch_invariant=self.batch_invariant)
         return StepHandle(sched, out, plp, offsets, t0, T)
 
     def execute(self, sched) -> StepHandle:

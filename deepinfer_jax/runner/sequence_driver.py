@@ -13,32 +13,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.base.forward_batch import RowSpec, build_batch
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "with_taps"), donate_argnames=("cache",))
-def _step(graphdef, state, cache, batch, with_taps: bool):
+@functools.partial(jax.jit, static_argnames=("graphdef", "with_taps", "batch_invariant"), donate_argnames=("cache",))
+def _step(graphdef, state, cache, batch, with_taps: bool, batch_invariant: bool = False):
     model = nnx.merge(graphdef, state)
     taps = {} if with_taps else None
-    cache, logits, main_hidden = model(cache, batch, taps)
+    with bi.use(batch_invariant):
+        cache, logits, main_hidden = model(cache, batch, taps)
     return cache, logits, main_hidden, taps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "with_taps"))
-def _draft(graphdef, state, cache, ids, last_pos, slots, with_taps: bool):
+@functools.partial(jax.jit, static_argnames=("graphdef", "with_taps", "batch_invariant"))
+def _draft(graphdef, state, cache, ids, last_pos, slots, with_taps: bool, batch_invariant: bool = False):
     model = nnx.merge(graphdef, state)
     taps = {} if with_taps else None
-    out = model.draft(cache, ids, last_pos, slots, taps)
+    with bi.use(batch_invariant):
+        out = model.draft(cache, ids, last_pos, slots, taps)
     return out.token_ids, out.logits, out.confidence, taps
 
 
 class SequenceDriver:
-    """Holds a model, its cache and each sequence's token history (one SWA slot per sequence)."""
+    """Holds a model, its cache and each sequence's token history (one SWA slot per sequence).
+    ``batch_invariant``: run the steps in batch-invariant mode (``base/batch_invariant.py``)."""
 
-    def __init__(self, model, cache_config: CacheConfig, hasher: EngramHasher | None = None):
+    def __init__(self, model, cache_config: CacheConfig, hasher: EngramHasher | None = None,
+                 batch_invariant: bool = False):
         self.cfg = model.cfg
+        self.batch_invariant = bool(batch_invariant)
         self.graphdef, self.state = nnx.split(model)
         self.cc = cache_config.validate(self.cfg)
         self.cache = allocate_cache(self.cfg, self.cc)
@@ -66,7 +72,8 @@ class SequenceDriver:
         """Run one ragged step over ``(slot, new token ids)`` chunks (each continues its slot's
         history). Returns ``(logits [L, V], main_hidden, taps)`` as numpy."""
         batch = self.batch_for(chunks, logits, num_tokens, num_rows)
-        self.cache, lg, mh, taps = _step(self.graphdef, self.state, self.cache, batch, with_taps)
+        self.cache, lg, mh, taps = _step(self.graphdef, self.state, self.cache, batch, with_taps,
+                                         self.batch_invariant)
         taps = jax.tree.map(np.asarray, taps) if taps is not None else None
         return np.asarray(lg), (None if mh is None else np.asarray(mh)), taps
 
@@ -96,7 +103,8 @@ class SequenceDriver:
         the target chose for the next position."""
         last = np.asarray([len(self.history[s]) - 1 for s in slots], np.int32)
         ids, lg, conf, taps = _draft(self.graphdef, self.state, self.cache, jnp.asarray(input_ids, jnp.int32),
-                                     jnp.asarray(last), jnp.asarray(slots, jnp.int32), with_taps)
+                                     jnp.asarray(last), jnp.asarray(slots, jnp.int32), with_taps,
+                                     self.batch_invariant)
         taps = jax.tree.map(np.asarray, taps) if taps is not None else None
         return np.asarray(ids), np.asarray(lg), np.asarray(conf), taps
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import cache_block_tokens
 from deepinfer_jax.models.cache_undo import apply_undo, fence, record_undo
@@ -67,8 +68,8 @@ class SpecCarry:
 
 def spec_step_impl(graphdef, state_treedef, state_leaves, cache, inp, carry, engram_tables, *,
                    num_logprobs: int, prompt_lp: bool, kernels: str, spec_slots: int, rule: str,
-                   force_accept: float = 0.0):
-    with ops.use_backend(kernels):
+                   force_accept: float = 0.0, batch_invariant: bool = False):
+    with ops.use_backend(kernels), bi.use(batch_invariant):
         inp = resolve_device_rows(inp, carry, engram_tables, spec_slots)
         return _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_logprobs, prompt_lp,
                           spec_slots, rule, force_accept)
@@ -163,7 +164,7 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
     K1 = K + 1
     V = logits.shape[-1]
     ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, inp.sampling,
-                        num_logprobs=num_logprobs, rule=rule)
+                        num_logprobs=num_logprobs, rule=rule, batch_invariant=bi.enabled())
     if force_accept > 0:
         ver = forced_verification(ver, logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R,
                                   inp.sampling, force_accept)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.sampling.params import SAMPLING_EPS, SamplingParams
 
 PRNG_IMPL = "threefry2x32"
@@ -185,7 +186,7 @@ def filter_cutoff(logits_RV: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
     keep_RV &= asc_RV >= kth_R1
     # top-p on the renormalised survivors: drop the low tail of mass <= 1 - top_p (the mass of
     # each token and all below it is an ascending cumsum, as vLLM); top_p >= 1 keeps everything
-    probs_RV = jax.nn.softmax(jnp.where(keep_RV, asc_RV, -jnp.inf), axis=-1)
+    probs_RV = bi.softmax(jnp.where(keep_RV, asc_RV, -jnp.inf), axis=-1)
     tail_RV = jnp.cumsum(probs_RV, axis=-1)
     top_p_R1 = top_p_R[:, None]
     keep_RV &= (tail_RV > 1 - top_p_R1) | (top_p_R1 >= 1)
@@ -212,15 +213,22 @@ def gumbel_noise(seed_R2: jax.Array, position_R: jax.Array, vocab: int) -> jax.A
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(row_keys(seed_R2, position_R))
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant"))
+def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0,
+           batch_invariant: bool = False) -> SamplerOutput:
     """Sample one token per row of ``logits_RV`` ``[R, V]`` (see the module docstring) and return
-    it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``)."""
+    it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``).
+    ``batch_invariant`` (static): the row reductions in a fixed order (``base/batch_invariant.py``)."""
+    with bi.use(batch_invariant):
+        return _sample(logits_RV, sb, num_logprobs)
+
+
+def _sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int) -> SamplerOutput:
     logits_RV = logits_RV.astype(jnp.float32)
     R, V = logits_RV.shape
     if sb.num_rows != R:
         raise ValueError(f"logits have {R} rows but the SamplingBatch has {sb.num_rows}")
-    lse_R = jax.nn.logsumexp(logits_RV, axis=-1)
+    lse_R = bi.logsumexp(logits_RV, axis=-1)
 
     allowed_RV = ban_tokens(logits_RV, sb.banned_RB)
     token_R = jnp.argmax(allowed_RV, axis=-1).astype(jnp.int32)  # greedy; ties -> lowest id
@@ -248,7 +256,7 @@ def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> Sa
 def prompt_logprobs(logits_XV: jax.Array, targets_X: jax.Array, num_logprobs: int):
     """Raw log-probabilities of each row's target id and the top ``num_logprobs`` (ids, values):
     the prompt-logprobs rows of a step. Returns ``(target_lp [X], top_ids [X, N], top_lp [X, N])``."""
-    lp = jax.nn.log_softmax(logits_XV, axis=-1)
+    lp = bi.log_softmax(logits_XV, axis=-1)
     tgt = jnp.take_along_axis(lp, targets_X[:, None], axis=1)[:, 0]
     if num_logprobs:
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)

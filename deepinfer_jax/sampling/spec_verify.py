@@ -42,6 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.sampling.params import SAMPLING_EPS
 from deepinfer_jax.sampling.sampler import SamplingBatch, apply_filters, ban_tokens, gumbel_noise, row_keys
 
@@ -70,10 +71,10 @@ def unpack_bitmask(mask_XW: jax.Array, vocab: int) -> jax.Array:
     return (bits & 1).astype(jnp.bool_)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "rule"))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "rule", "batch_invariant"))
 def verify_drafts(logits_RKV: jax.Array, draft_RK: jax.Array, num_drafts_R: jax.Array, sb: SamplingBatch,
                 allowed_RKW: jax.Array | None = None, num_logprobs: int = 0,
-                rule: str = "uniform") -> SpecVerifyOutput:
+                rule: str = "uniform", batch_invariant: bool = False) -> SpecVerifyOutput:
     """Verify each row's drafts against the target logits (see the module docstring).
 
     ``logits_RKV``: the target's logits ``[R, K+1, V]`` at the verification slots (slot ``i`` is
@@ -84,7 +85,14 @@ def verify_drafts(logits_RKV: jax.Array, draft_RK: jax.Array, num_drafts_R: jax.
     (e.g. min_tokens ending inside the block). ``allowed_RKW``: optional int32 bitmask
     ``[R, K+1, ceil(V/32)]`` per slot (``None`` = all allowed). ``num_logprobs``: static N of the
     raw top logprobs per slot. ``rule``: static, ``"uniform"`` (default) or ``"coupled"``.
+    ``batch_invariant`` (static): the row reductions in a fixed order (``base/batch_invariant.py``).
     """
+    with bi.use(batch_invariant):
+        return _verify(logits_RKV, draft_RK, num_drafts_R, sb, allowed_RKW, num_logprobs, rule)
+
+
+def _verify(logits_RKV, draft_RK, num_drafts_R, sb: SamplingBatch, allowed_RKW, num_logprobs: int,
+            rule: str) -> SpecVerifyOutput:
     if rule not in RULES:
         raise ValueError(f"verify_drafts: rule={rule!r}: must be one of {RULES}")
     logits_RKV = jnp.asarray(logits_RKV, jnp.float32)
@@ -140,7 +148,7 @@ def verify_drafts(logits_RKV: jax.Array, draft_RK: jax.Array, num_drafts_R: jax.
         if rule == "coupled":
             s_accept_X = drawn_X == judged_X
         else:
-            p_draft_X = jnp.sum(jnp.where(is_draft_XV, jax.nn.softmax(scaled_XV, axis=-1), 0.0), axis=-1)
+            p_draft_X = bi.row_sum(jnp.where(is_draft_XV, bi.softmax(scaled_XV, axis=-1), 0.0), axis=-1)
             u_X = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT_SALT), (), jnp.float32))(
                 row_keys(seed_X2, position_X))
             s_accept_X = u_X < p_draft_X  # p = 0 (filtered / banned / masked) -> always rejected
@@ -159,7 +167,7 @@ def verify_drafts(logits_RKV: jax.Array, draft_RK: jax.Array, num_drafts_R: jax.
     token_RK = jnp.where(slot_K[None] < a_R[:, None], judged_RK, -1)
     token_RK = jnp.where(slot_K[None] == a_R[:, None], last_R[:, None], token_RK)
 
-    lse_RK = jax.nn.logsumexp(logits_RKV, axis=-1)
+    lse_RK = bi.logsumexp(logits_RKV, axis=-1)
     emitted_RK = slot_K[None] <= a_R[:, None]
     tok_lp_RK = jnp.take_along_axis(logits_RKV, jnp.maximum(token_RK, 0)[..., None], axis=-1)[..., 0]
     logprob_RK = jnp.where(emitted_RK, tok_lp_RK - lse_RK, 0.0)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.layers.attention.kv_index import DROP, StepContext
 from deepinfer_jax.layers.linear import Linear
 from deepinfer_jax.layers.norms import RMSNorm
@@ -50,7 +51,7 @@ class Compressor(nnx.Module):
             mem_kv.append(jnp.where(fresh[:, None], kv[t], st_kv[slot, q % M]))
             mem_sc.append(jnp.where(fresh[:, None], score[t], st_sc[slot, q % M]))
         kv_g, sc_g = jnp.stack(mem_kv, 1), jnp.stack(mem_sc, 1)  # [T, r, A]
-        latent = jnp.sum(kv_g * jax.nn.softmax(sc_g, axis=1), axis=1)
+        latent = bi.row_sum(kv_g * bi.softmax(sc_g, axis=1), axis=1)
         # keep each row's last M positions as the pending group state
         keep = ctx.valid & (ctx.pos >= ctx.end_T - M)
         s = jnp.where(keep, ctx.slot_T, DROP)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 from deepinfer_jax.layers.attention.compressor import Compressor
 from deepinfer_jax.layers.attention.indexer import Indexer
@@ -65,7 +66,9 @@ class Attention(nnx.Module):
         T = o.shape[0]
         o = o.reshape(T, self.n_groups, -1)
         wo_a = self.wo_a.dequantized().reshape(self.n_groups, self.o_rank, -1)
-        o = jnp.einsum("tgd,grd->tgr", o, wo_a, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        o = bi.rowwise(lambda o, w: jnp.einsum("tgd,grd->tgr", o, w, preferred_element_type=jnp.float32), o,
+                       consts=(wo_a,))
+        o = o.astype(jnp.bfloat16)
         return self.wo_b(o.reshape(T, -1))
 
     def _compressed(self, ctx: StepContext, x_TD, qr_TQ):
