@@ -57,7 +57,11 @@ def test_lowers_to_triton_sm90(sm90_lowering, T):
     assert "stablehlo.while" not in text
 
 
-def test_ops_default_is_the_reference_until_validated_on_a_gpu():
-    """The model's op (``mhc.sinkhorn_split``) runs the reference loop: the kernel module is not
-    in ``ops._KERNEL_MODULES`` until it has run on a GPU (see its docstring)."""
-    assert "deepinfer_jax.kernels_pallas.sinkhorn" not in ops._KERNEL_MODULES["gpu"]
+def test_the_gpu_loads_the_kernel_for_the_models_op():
+    """On a GPU the model's op (``ops.sinkhorn_iterate``, called by ``mhc.sinkhorn_split``) runs
+    this kernel: its module is among the GPU's kernel modules and registers the op on import."""
+    import importlib
+
+    assert "deepinfer_jax.kernels_pallas.sinkhorn" in ops._KERNEL_MODULES["gpu"]
+    importlib.import_module("deepinfer_jax.kernels_pallas.sinkhorn")
+    assert ("sinkhorn_iterate", "gpu") in ops._KERNELS

@@ -81,3 +81,6 @@ def register() -> None:
     from deepinfer_jax.kernels_pallas import ops
 
     ops.register_kernel("sinkhorn_iterate", "gpu", sinkhorn_iterate_op)
+
+
+register()
