@@ -57,11 +57,12 @@ def test_lowers_to_triton_sm90(sm90_lowering, T):
     assert "stablehlo.while" not in text
 
 
-def test_the_gpu_loads_the_kernel_for_the_models_op():
-    """On a GPU the model's op (``ops.sinkhorn_iterate``, called by ``mhc.sinkhorn_split``) runs
-    this kernel: its module is among the GPU's kernel modules and registers the op on import."""
+def test_not_loaded_by_default():
+    """The model's op (``ops.sinkhorn_iterate``) keeps the reference loop on the GPU: the module is
+    not among the GPU's default kernel modules and importing it registers nothing (the golden tests
+    on the GPU do not all pass with it; see its docstring); ``register()`` turns it on."""
     import importlib
 
-    assert "deepinfer_jax.kernels_pallas.sinkhorn" in ops._KERNEL_MODULES["gpu"]
+    assert "deepinfer_jax.kernels_pallas.sinkhorn" not in ops._KERNEL_MODULES["gpu"]
     importlib.import_module("deepinfer_jax.kernels_pallas.sinkhorn")
-    assert ("sinkhorn_iterate", "gpu") in ops._KERNELS
+    assert ("sinkhorn_iterate", "gpu") not in ops._KERNELS

@@ -39,9 +39,11 @@ _FALLBACKS: collections.Counter = collections.Counter()  # (op, reason) -> trace
 _log = logging.getLogger("deepinfer_jax.kernels")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
 # Kernel modules imported on first use on their platform; each registers its ops on import.
+# (kernels_pallas/sinkhorn.py is not listed: with it on, the golden tiny_bf16 prefill's greedy
+# tokens agree on 18 of 21 rows, under test_golden's 0.9; see its docstring.)
 _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
-            "deepinfer_jax.kernels_pallas.moe_gmm", "deepinfer_jax.kernels_pallas.sinkhorn"),
+            "deepinfer_jax.kernels_pallas.moe_gmm"),
 }
 _LOADED: set[str] = set()
 _LOAD_ERRORS: dict[str, list[str]] = {}  # platform -> modules that failed to import

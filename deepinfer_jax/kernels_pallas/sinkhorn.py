@@ -12,9 +12,12 @@ Numerics: the same operations as the reference; the sums over 4 entries may add 
 order than XLA's reduction (fp32, one ulp), nothing else differs. Interpret mode runs the
 reference's arithmetic exactly.
 
-Status: loaded by default on the GPU (``ops._KERNEL_MODULES["gpu"]``); its device tests
-(``tests/test_sinkhorn_kernel.py -m device``) and the golden tests with it on run in
-``scripts/device_check.sh``.
+Status: its device tests (``tests/test_sinkhorn_kernel.py -m device``) pass on an H200, but it
+is **not loaded by default**: with it on, ``tests/test_golden.py`` on the GPU fails one check
+(tiny_bf16 prefill: greedy tokens agree with the reference on 18 of 21 rows, the test wants 0.9;
+the logits stay inside their bounds): the reordered 4-entry sums move near-tied argmaxes of the
+random-weight model. ``register()`` turns it on for the process (importing does not). Inside the kernel the step must stay the plain jnp
+step: batch-invariant mode's tree sums (slices) have no Triton lowering.
 """
 
 from __future__ import annotations
@@ -81,6 +84,3 @@ def register() -> None:
     from deepinfer_jax.kernels_pallas import ops
 
     ops.register_kernel("sinkhorn_iterate", "gpu", sinkhorn_iterate_op)
-
-
-register()
