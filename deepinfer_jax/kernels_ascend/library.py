@@ -7,13 +7,13 @@ import threading
 
 import jax
 
+from deepinfer_jax.kernels_ascend.errors import FfiUnavailable
+
+__all__ = ["FfiUnavailable", "available", "register"]
+
 CPU_MODULE = "deepinfer_jax.kernels_ascend._cpu_targets"
 _lock = threading.Lock()
 _registered: set[str] = set()
-
-
-class FfiUnavailable(RuntimeError):
-    """The custom-call library for a platform is not built or cannot register."""
 
 
 def _cpu_capsules() -> dict:

@@ -129,7 +129,21 @@ def _ffi_pick(op: str, ref: Callable, platform: str) -> Callable:
     if not ffi.supports(platform):
         note_fallback(op, f"no ffi custom-call targets for platform {platform} (cpu and Ascend only)")
         return ref
-    return ffi.kernels_for(platform)[op]  # raises FfiUnavailable with what to install
+    fn = ffi.kernels_for(platform)[op]  # raises FfiUnavailable with what to install
+    return _experts_parallel(fn) if op == "moe_experts" else fn
+
+
+def _experts_parallel(local_fn: Callable) -> Callable:
+    """A custom call's MoE on a context mesh of several devices: per device over its local experts
+    (``moe_ep.py``), as the GPU kernel runs; GSPMD would gather every expert for a custom call."""
+    def run(*args):
+        from deepinfer_jax.kernels_pallas import moe_ep
+
+        mesh = moe_ep.context_mesh()
+        if mesh is not None and mesh.size > 1:
+            return moe_ep.moe_experts_ep(local_fn, *args, mesh=mesh)
+        return local_fn(*args)
+    return run
 
 
 def _pick(op: str, ref: Callable) -> Callable:

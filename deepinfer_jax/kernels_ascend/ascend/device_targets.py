@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 
+from deepinfer_jax.kernels_ascend.errors import FfiUnavailable
+
 ASCEND_MODULE = "deepinfer_jax.kernels_ascend.ascend._ascend_targets"
 
 
 def capsules(platform: str) -> dict:
-    from deepinfer_jax.kernels_ascend.library import FfiUnavailable
-
     try:
         mod = importlib.import_module(ASCEND_MODULE)
     except ImportError as e:
