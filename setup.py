@@ -18,7 +18,7 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = Path("deepinfer_jax/kernels_ascend/csrc")
 ASCEND_CSRC = Path("deepinfer_jax/kernels_ascend/ascend/csrc")
-CXXFLAGS = ["-O2", "-std=c++17", "-fvisibility=hidden"]
+CXXFLAGS = ["-O2", "-g0", "-std=c++17", "-fvisibility=hidden"]  # -g0: Python's default CFLAGS add -g
 
 
 def ffi_include_dir() -> str | None:
