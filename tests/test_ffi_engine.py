@@ -1,6 +1,6 @@
 """The model and the engine with ``kernels="ffi"`` (kernels_ascend's C++ CPU custom calls).
 
-* Golden: the tiny_fp8 golden run (prefill, teacher-forced decode, DSpark drafts) under
+* Golden: the tiny_fp8 golden run (tiny_bf16 and tiny_fp8_long_allsel: marked slow) (prefill, teacher-forced decode, DSpark drafts) under
   ``use_backend("ffi")`` passes test_golden's checks unchanged (the same bounds: the FFI ops
   differ from the references only in fp32 summation order and libm's exp, see test_ffi_ops.py).
 * Engine: ``LLM(kernels="ffi")`` batches as it runs one prompt at a time and matches the
@@ -46,12 +46,15 @@ def traced(monkeypatch):
     jax.clear_caches()
 
 
-def test_golden_tiny_fp8_with_ffi_kernels(golden_dir, traced):
+# tiny_fp8 covers every op with fp8 experts; the bf16 and long all-selected runs are slow twins
+@pytest.mark.parametrize("name", ["tiny_fp8", pytest.param("tiny_bf16", marks=pytest.mark.slow),
+                                  pytest.param("tiny_fp8_long_allsel", marks=pytest.mark.slow)])
+def test_golden_with_ffi_kernels(golden_dir, traced, name):
     with ops.use_backend("ffi"):
-        r = run_golden.__wrapped__(str(golden_dir), "tiny_fp8")  # not the lru-cached reference run
+        r = run_golden.__wrapped__(str(golden_dir), name)  # not the lru-cached reference run
     assert {"sparse_attention", "indexer_scores_pool", "topk_positions", "sinkhorn_iterate",
             "moe_experts"} <= set(traced), traced
-    run = ("tiny_fp8", r)
+    run = (name, r)
     golden_checks.test_prefill_logits_and_tokens(run)
     golden_checks.test_prefill_selections(run)
     golden_checks.test_decode_logits_and_tokens(run)
