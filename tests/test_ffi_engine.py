@@ -107,3 +107,18 @@ def test_missing_library_says_what_to_install(monkeypatch):
     assert not library.available("cpu")
     with ops.use_backend("reference"):
         assert ops.sinkhorn_iterate(c, 3, 1e-6).shape == (2, 4, 4)
+
+
+def test_ffi_on_a_platform_without_targets_falls_back(monkeypatch, caplog):
+    import logging
+
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels_pallas import indexer_topk_ref
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    s = jnp.asarray([[0.5, 2.0, -jnp.inf, 1.0]], jnp.float32)
+    with caplog.at_level(logging.WARNING, logger="deepinfer_jax.kernels"), ops.use_backend("ffi"):
+        out = ops.topk_positions(s, 2)
+    assert (out == indexer_topk_ref.topk_positions_ref(s, 2)).all()
+    assert any("no ffi custom-call targets for platform gpu" in k for k in ops.fallback_counts())
