@@ -96,7 +96,7 @@ class EngineConfig:
     decoder_buckets: tuple[int, ...] | None = None
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
-    kernels: str | None = None             # "auto" | "reference"; None: $DEEPINFER_KERNELS or "auto"
+    kernels: str | None = None             # "auto" | "reference" | "ffi"; None: $DEEPINFER_KERNELS or "auto"
     dp: int = 1
     cp: int = 1
     precompile: bool = True                # compile every bucket at start-up
@@ -156,8 +156,8 @@ class EngineConfig:
                 self._bad(f, "must be an integer >= 1")
         if self.yoco_truncation not in YOCO_MODES:
             self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
-        if self.kernels not in (None, "auto", "reference"):
-            self._bad("kernels", "expected 'auto' or 'reference'")
+        if self.kernels not in (None, "auto", "reference", "ffi"):
+            self._bad("kernels", "expected 'auto', 'reference' or 'ffi'")
         from deepinfer_jax.base.quant import INDEX_KEY_DTYPES
 
         if self.index_key_dtype not in INDEX_KEY_DTYPES:

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--yoco-truncation", default="compact", choices=["off", "mask", "compact"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--sync", action="store_true", help="synchronous loop (async scheduling off)")
-    g.add_argument("--kernels", default=None, choices=["auto", "reference"],
+    g.add_argument("--kernels", default=None, choices=["auto", "reference", "ffi"],
                    help="kernel backend (default: $DEEPINFER_KERNELS or auto)")
     g.add_argument("--no-precompile", action="store_true", help="compile buckets on first use")
     g.add_argument("--batch-invariant", action="store_true",

@@ -7,7 +7,10 @@ Until a kernel is registered for an op, every platform runs the reference.
 Which one runs is decided when a step is traced: ``use_backend(name)`` around the trace (the
 engine's runner does this with its own ``kernels`` setting, which is also part of its compiled
 step's cache key), else the process default: ``$DEEPINFER_KERNELS`` or ``set_backend``.
-``"reference"`` forces the references anywhere. ``full_rows(B, L)`` around a trace says the step's
+``"reference"`` forces the references anywhere. ``"ffi"`` routes every op through the XLA FFI
+custom calls of ``kernels_ascend`` (its C++ CPU targets on CPU, its device targets on an Ascend
+platform; loaded lazily by name, one way: ``kernels_ascend`` never imports this room); when they are
+not built it raises ``kernels_ascend.library.FfiUnavailable`` saying what to install. ``full_rows(B, L)`` around a trace says the step's
 tokens are ``B`` whole sequences of ``L`` tokens from position 0 (training): the references of
 ``sparse_attention`` and ``indexer_scores_pool`` then take their dense per-row forms
 (``full_rows_ref.py``: no per-token key copies, no scatter-add gradients).
@@ -31,7 +34,7 @@ from typing import Callable
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "ffi")
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepinfer_kernels", default=None)
 _FULL_ROWS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("deepinfer_full_rows", default=None)
@@ -45,6 +48,8 @@ _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
             "deepinfer_jax.kernels_pallas.moe_gmm"),
 }
+# kernels="ffi": the op table of kernels_ascend (a sibling room, imported by name on first use)
+_FFI_MODULE = "deepinfer_jax.kernels_ascend.kernels"
 _LOADED: set[str] = set()
 _LOAD_ERRORS: dict[str, list[str]] = {}  # platform -> modules that failed to import
 
@@ -74,8 +79,8 @@ def default_backend() -> str:
 
 
 def set_backend(name: str) -> None:
-    """Process default: ``auto`` (kernel where one is registered for the platform) or
-    ``reference``. Code traced inside ``use_backend`` is not affected."""
+    """Process default: ``auto`` (kernel where one is registered for the platform),
+    ``reference`` or ``ffi`` (the kernels_ascend custom calls). Code traced inside ``use_backend`` is not affected."""
     global _BACKEND
     _BACKEND = _checked(name)
 
@@ -121,12 +126,37 @@ def register_kernel(op: str, platform: str, fn: Callable) -> None:
     _KERNELS[(op, platform)] = fn
 
 
+def _ffi_pick(op: str, ref: Callable, platform: str) -> Callable:
+    ffi = importlib.import_module(_FFI_MODULE)
+    if not ffi.supports(platform):
+        note_fallback(op, f"no ffi custom-call targets for platform {platform} (cpu and Ascend only)")
+        return ref
+    fn = ffi.kernels_for(platform)[op]  # raises FfiUnavailable with what to install
+    return _experts_parallel(fn) if op == "moe_experts" else fn
+
+
+def _experts_parallel(local_fn: Callable) -> Callable:
+    """A custom call's MoE on a context mesh of several devices: per device over its local experts
+    (``moe_ep.py``), as the GPU kernel runs; GSPMD would gather every expert for a custom call."""
+    def run(*args):
+        from deepinfer_jax.kernels_pallas import moe_ep
+
+        mesh = moe_ep.context_mesh()
+        if mesh is not None and mesh.size > 1:
+            return moe_ep.moe_experts_ep(local_fn, *args, mesh=mesh)
+        return local_fn(*args)
+    return run
+
+
 def _pick(op: str, ref: Callable) -> Callable:
-    if current_backend() == "reference":
+    backend = current_backend()
+    if backend == "reference":
         return ref
     import jax
 
     platform = jax.default_backend()
+    if backend == "ffi":
+        return _ffi_pick(op, ref, platform)
     _load_kernels(platform)
     fn = _KERNELS.get((op, platform))
     if fn is None:
