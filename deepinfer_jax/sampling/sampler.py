@@ -5,6 +5,9 @@ returned (static), B = banned ids per row (static, from the array shape).
 
 Per row, in vLLM's order:
 
+0. With structured output, ids outside the row's int32 bitmask ``allowed_RW`` (``[R, W]``,
+   ``W = ceil(V/32)``, the xgrammar layout; all ones for rows without a grammar) are set to
+   ``-inf``; without any grammar row the step passes ``None`` and nothing is masked.
 1. ``banned_RB`` ids are set to ``-inf`` (the engine bans EOS and ``stop_token_ids`` while fewer
    than ``min_tokens`` tokens are out; see ``min_tokens_banned_ids``).
 2. Greedy rows (``temperature < SAMPLING_EPS``, i.e. 0) take the argmax; ties go to the lowest id.
@@ -162,6 +165,15 @@ def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab
 # --------------------------------------------------------------------------- device side
 
 
+def unpack_bitmask(mask_XW: jax.Array, vocab: int) -> jax.Array:
+    """bool ``[..., vocab]`` from an int32 bitmask ``[..., ceil(vocab/32)]`` (bit ``v % 32`` of
+    word ``v // 32`` set = token ``v`` allowed), the xgrammar layout."""
+    words = jax.lax.bitcast_convert_type(jnp.asarray(mask_XW, jnp.int32), jnp.uint32)
+    v = jnp.arange(vocab)
+    bits = jnp.take(words, v // 32, axis=-1) >> (v % 32).astype(jnp.uint32)
+    return (bits & 1).astype(jnp.bool_)
+
+
 def ban_tokens(logits_RV: jax.Array, banned_RB: jax.Array) -> jax.Array:
     """``logits_RV`` with each row's ``banned_RB`` ids (``-1`` = none) set to ``-inf``."""
     R, V = logits_RV.shape
@@ -213,9 +225,11 @@ def gumbel_noise(seed_R2: jax.Array, position_R: jax.Array, vocab: int) -> jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> SamplerOutput:
+def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0,
+           allowed_RW: jax.Array | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits_RV`` ``[R, V]`` (see the module docstring) and return
-    it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``)."""
+    it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``).
+    ``allowed_RW``: the optional structured-output bitmask (``None`` = every id allowed)."""
     logits_RV = logits_RV.astype(jnp.float32)
     R, V = logits_RV.shape
     if sb.num_rows != R:
@@ -223,6 +237,8 @@ def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0) -> Sa
     lse_R = jax.nn.logsumexp(logits_RV, axis=-1)
 
     allowed_RV = ban_tokens(logits_RV, sb.banned_RB)
+    if allowed_RW is not None:
+        allowed_RV = jnp.where(unpack_bitmask(allowed_RW, V), allowed_RV, -jnp.inf)
     token_R = jnp.argmax(allowed_RV, axis=-1).astype(jnp.int32)  # greedy; ties -> lowest id
     if not sb.all_greedy:
         temperature_R = jnp.asarray(sb.temperature, jnp.float32)
