@@ -200,7 +200,8 @@ class LLMEngine:
 
                 comp = self.grammar_compiler()
                 K = getattr(self.scheduler, "num_draft_tokens", 0)
-                g = self._grammars[rid] = GrammarState(comp.matcher(r.compiled_grammar, max(K, 1)), comp.words, K)
+                g = self._grammars[rid] = GrammarState(comp.matcher(r.compiled_grammar), comp.words, K,
+                                                       comp.extra_mask(params.grammar))
                 g.prepare(())
                 self.grammar_fill_s += g.fill_seconds
             states.append(st)

@@ -65,6 +65,28 @@ def vocab_from_tokenizer_json(path: str | os.PathLike, vocab_size: int) -> tuple
     return enc, vtype
 
 
+def control_free_mask(encoded_vocab: Sequence[str], vocab_type: str) -> "np.ndarray":
+    """int32 ``[W]`` bitmask of the tokens whose bytes hold no control byte (< 0x20).
+
+    JSON text never holds a raw control byte in compact form (no whitespace; inside strings
+    they must be escaped), but xgrammar 0.2.9's string rule with ``maxLength`` / ``minLength``
+    admits them; the JSON kinds AND this mask into every row they fill."""
+    import numpy as np
+
+    def has_control(tok: str) -> bool:
+        if vocab_type == "byte_level":  # GPT-2's byte-to-unicode table: bytes 0..32 are chr(256 + b)
+            return any(256 <= ord(ch) < 256 + 0x20 for ch in tok)
+        if vocab_type == "byte_fallback" and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tok):
+            return int(tok[3:5], 16) < 0x20
+        return any(ord(ch) < 0x20 for ch in tok)
+
+    ok = np.array([bool(t) and not has_control(t) for t in encoded_vocab], bool)
+    bits = np.zeros(bitmask_words(len(ok)) * 32, bool)
+    bits[:len(ok)] = ok
+    words = np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1, bitorder="big").view(">u4")[:, 0]
+    return words.astype(np.uint32).view(np.int32)
+
+
 def _reason(e: Exception) -> str:
     """xgrammar's message without its C++ source location prefix."""
     msg = str(e).strip()
@@ -82,6 +104,10 @@ class GrammarCompiler:
         enc, vtype = vocab_from_tokenizer_json(tokenizer_json, self.vocab_size)
         vt = {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
               "raw": xgr.VocabType.RAW}[vtype]
+        self.json_mask_W = control_free_mask(enc, vtype)
+        # EOS stays allowed where the grammar allows it
+        for t in self.stop_token_ids:
+            self.json_mask_W[t // 32] |= (1 << (t % 32)) - (1 << 32 if t % 32 == 31 else 0)
         self.tokenizer_info = xgr.TokenizerInfo(enc, vt, vocab_size=self.vocab_size,
                                                 stop_token_ids=self.stop_token_ids)
         self._xgr = xgr
@@ -141,9 +167,14 @@ class GrammarCompiler:
             raise first_error
         return out
 
-    def matcher(self, compiled, max_rollback_tokens: int = 0):
-        """A fresh xgrammar matcher of one compiled grammar (one per request sample)."""
-        return self._xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+    def matcher(self, compiled):
+        """A fresh xgrammar matcher of one compiled grammar (one per request sample); xgrammar
+        0.2 matchers roll back any number of tokens (the draft rows need up to K)."""
+        return self._xgr.GrammarMatcher(compiled)
+
+    def extra_mask(self, so: StructuredOutput):
+        """The int32 ``[W]`` mask ANDed into every row this kind fills (``None``: none)."""
+        return self.json_mask_W if so.kind in ("json_schema", "json_object") else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

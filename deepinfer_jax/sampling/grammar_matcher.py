@@ -19,8 +19,11 @@ import numpy as np
 
 
 class GrammarState:
-    def __init__(self, matcher, words: int, max_drafts: int = 0):
+    def __init__(self, matcher, words: int, max_drafts: int = 0, and_mask_W=None):
+        """``and_mask_W``: an int32 ``[W]`` mask ANDed into every filled row (the JSON kinds'
+        control-byte mask, ``GrammarCompiler.extra_mask``), or None."""
         self.matcher = matcher
+        self.and_mask_W = and_mask_W
         self.words = words
         self.max_drafts = max_drafts
         self.mask_KW = np.zeros((max_drafts + 1, words), np.int32)
@@ -58,6 +61,8 @@ class GrammarState:
             m.fill_next_token_bitmask(self.mask_KW, i + 1)
         if accepted:
             m.rollback(accepted)
+        if self.and_mask_W is not None:
+            self.mask_KW &= self.and_mask_W
         self.drafts = drafts
         self.num_rows_ready = len(drafts) + 1
         self.fill_seconds += time.perf_counter() - t0
