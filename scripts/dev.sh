@@ -35,7 +35,15 @@ ensure_venv() {
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/cpu-torch.txt -nt "$stamp" ]; then
     $VENV/bin/python -m pip install -q --upgrade pip >/dev/null
-    $VENV/bin/python -m pip install -q -e ".[dev]" "${PINS[@]}"
+    # [grammar] (xgrammar, structured output) is part of the test command: its tests must run,
+    # never skip. xgrammar 0.2 imports torch (and transformers) at import time, and PyPI has only
+    # the CUDA build of torch for Python 3.12 on Linux x86_64, so this pulls torch + its nvidia-*
+    # wheels + triton: about 3.1 GB of downloads, 5.9 GB installed (measured on a fresh venv with
+    # an empty pip cache; README, Install, has the numbers and the command). Nothing cheaper is
+    # sound: torch's CUDA libraries are DT_NEEDED by libtorch_cuda.so (without them
+    # `import torch` fails), and triton is a dependency of torch itself. The pinned and the latest
+    # venv share pip's wheel cache, so the second install downloads little.
+    $VENV/bin/python -m pip install -q -e ".[dev,grammar]" "${PINS[@]}"
     touch "$stamp"
   fi
 }
