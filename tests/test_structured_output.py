@@ -157,6 +157,12 @@ def test_draft_rows_roll_back():
     assert g.mask_KW[1].any() and g.mask_KW[2].any() and not g.mask_KW[3].any()
     g.prepare(())
     assert (g.mask_KW[0] == row0).all()  # the matcher was rolled back
+    # a draft that is EOS where the grammar may end: accepted, nothing after it, rolled back
+    (cg2,) = comp.compile_all([(0, normalise(("regex", "a")))])
+    h = GrammarState(comp.matcher(cg2), comp.words, max_drafts=3)
+    h.prepare((a, 1, a))
+    assert h.mask_KW[1].view(np.uint32)[0] >> 1 & 1 and not h.mask_KW[2].any() and not h.mask_KW[3].any()
+    assert not h.terminated
     g.advance([a])
     assert not (g.rows(0) == row0).all()
 

@@ -58,6 +58,8 @@ class GrammarState:
             if m.is_terminated() or not m.accept_token(d):
                 break  # later rows stay all-zero: the draft is rejected at row i
             accepted += 1
+            if m.is_terminated():
+                break  # d_i was EOS: nothing may follow it (the request ends there)
             m.fill_next_token_bitmask(self.mask_KW, i + 1)
         if accepted:
             m.rollback(accepted)
