@@ -13,7 +13,8 @@ engine run with R grammar requests in async mode, reporting its fill time per st
 (``LLMEngine.grammar_fill_s``) next to its step time.
 
 Usage: ``python scripts/bench_grammar_fill.py [--rows 64 256] [--drafts 0 2] [--steps 50] [--out f.json]``
-Prints a table and writes JSON (default ``bench_grammar_fill.json``).
+Prints a table and writes JSON (default ``benchmarks/results/grammar_fill_<platform>.json``,
+with the platform, jax and xgrammar versions and the date).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-step", action="store_true", help="skip the device-step part")
-    ap.add_argument("--out", default="bench_grammar_fill.json")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
@@ -155,9 +156,18 @@ def main() -> None:
         for s in steps:
             print(f"{s['rows']:>5} {s['device_step_ms_p50']:>12.2f} {s['grammar_run_step_ms_p50']:>20.2f} "
                   f"{s['grammar_run_fill_ms_per_step']:>13.2f} {s['grammar_run_plan_ms_per_step']:>13.2f}")
-    with open(a.out, "w") as f:
-        json.dump({"fill": fill, "device_step": steps}, f, indent=2)
-    print(f"wrote {a.out}")
+    import datetime
+    from importlib.metadata import version
+
+    import jax
+
+    out = a.out or os.path.join("benchmarks", "results", f"grammar_fill_{jax.default_backend()}.json")
+    meta = {"platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__, "xgrammar": version("xgrammar"),
+            "date": datetime.date.today().isoformat()}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "fill": fill, "device_step": steps}, f, indent=2)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
