@@ -1,7 +1,7 @@
 """deepinfer_jax: a JAX/XLA inference engine for the DeepSeek-V4.1 model family.
 
 Public API (imported lazily, so ``deepinfer_jax.host_scheduler`` stays free of JAX):
-``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``, ``EngineConfig``.
+``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutput``, ``CompletionOutput``, ``EngineConfig``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ _xla_numerics.apply()  # before any JAX backend starts (see xla_numerics.py)
 _EXPORTS = {
     "LLM": "deepinfer_jax.entrypoints.llm",
     "SamplingParams": "deepinfer_jax.sampling.params",
+    "StructuredOutputsParams": "deepinfer_jax.sampling.grammar_spec",
     "RequestOutput": "deepinfer_jax.engine.outputs",
     "CompletionOutput": "deepinfer_jax.engine.outputs",
     "EngineConfig": "deepinfer_jax.engine_config",

@@ -66,6 +66,9 @@ class SchedulerOutput:
     preempted: list[str]
     cache_hit_tokens: int      # tokens of rows admitted now that the prefix cache saves (not recomputed)
     queue_wait: list[float]    # seconds in the queue of each request admitted now
+    # structured output: row index -> int32 bitmask rows [num_drafts + 1, W] of that row's
+    # sampled slots (the engine fills them after planning); None = no grammar row this step
+    grammar_masks: dict[int, Any] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,14 @@ all. Planning, result processing and request bookkeeping run with SIGINT held
 (``interrupts.py``), so an interrupt lands between them and ``abort_all()`` can always bring the
 engine back to empty. A step's sampled logprob that is not finite (NaN weights, overflow)
 raises ``RuntimeError`` before any of that step's results is applied.
+
+Structured output (FEATURES §8): requests with a grammar are compiled in ``check_requests``
+(xgrammar, in a thread pool, cached; a grammar that does not compile raises ``ValueError``
+naming the request before anything is queued). Each sample gets a ``GrammarState``; its next
+bitmask rows are filled when a step's results are applied (with async scheduling, while the next
+step runs on the device) and handed to the runner with the plan. A grammar request is planned
+only when none of its rows is in flight (the scheduler's sync point), so its mask always follows
+its newest token; other requests keep the asynchronous overlap.
 """
 
 from __future__ import annotations
@@ -59,14 +67,16 @@ class CheckedRequest:
     prompt_token_ids: list[int]
     prompt: str | None
     params: Any  # SamplingParams, validated
+    compiled_grammar: Any = None  # xgrammar CompiledGrammar of params.grammar, if any
 
 
 class LLMEngine:
     def __init__(self, runner, ec, tokenizer=None, eos_token_id: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, tokenizer_json: str | None = None):
         """``runner``: a ``ModelRunner`` (or anything with ``execute(sched) -> handle``);
         ``ec``: the resolved ``EngineConfig``; ``vocab_size`` bounds prompt and stop token ids
-        (default: the runner's model config, if it has one)."""
+        (default: the runner's model config, if it has one); ``tokenizer_json``: the vocabulary
+        that structured output compiles grammars against (needed only for such requests)."""
         self.runner, self.ec, self.tokenizer = runner, ec, tokenizer
         self.eos_token_id = eos_token_id
         cfg = getattr(runner, "cfg", None)
@@ -82,6 +92,13 @@ class LLMEngine:
         # scheduler handed to the prefix cache were never written (abort_all resets the cache)
         self._undispatched = False
         self._rng = np.random.default_rng(ec.seed)
+        # structured output: the compiler (created on the first grammar request) and the
+        # per-sample grammar states, by request id
+        self.tokenizer_json = tokenizer_json
+        self._grammar_compiler = None
+        self._grammars: dict = {}
+        self.grammar_fill_s = 0.0   # host seconds spent filling bitmask rows (after results)
+        self.grammar_plan_s = 0.0   # host seconds spent handing them to the plan (before dispatch)
         # speculative decoding (FEATURES §4); with async scheduling the next verification row
         # is planned before this step's accept counts are known and corrected on the device
         self.spec = getattr(ec, "spec_decode", "off") == "dspark"
@@ -114,7 +131,33 @@ class LLMEngine:
             input_checks.check_prompt_ids(label, ids, vocab_size=self.vocab_size,
                                           max_model_len=self.ec.max_model_len)
             out.append(CheckedRequest(rid, ids, text, params))
+        self._compile_grammars(out, [i if labels is None else labels[i] for i in range(len(out))])
         return out
+
+    def grammar_compiler(self):
+        """The structured-output compiler of this engine's vocabulary (created on first use)."""
+        if self._grammar_compiler is None:
+            from deepinfer_jax.sampling.grammar_compile import GrammarCompiler, require_xgrammar
+
+            require_xgrammar()
+            if self.tokenizer_json is None or self.vocab_size is None:
+                raise ValueError("structured output needs the model's tokenizer.json (this engine has none)")
+            stops = [self.eos_token_id] if self.eos_token_id is not None else []
+            self._grammar_compiler = GrammarCompiler(self.tokenizer_json, self.vocab_size, stops)
+        return self._grammar_compiler
+
+    def _compile_grammars(self, checked: list[CheckedRequest], labels: list) -> None:
+        """Compile every grammar of ``checked`` (in the compiler's pool) before anything is queued."""
+        todo = [(labels[i], c) for i, c in enumerate(checked) if c.params.grammar is not None]
+        if not todo:
+            return
+        try:
+            compiler = self.grammar_compiler()
+        except ValueError as e:
+            raise ValueError(f"request {todo[0][0]}: {e}") from None
+        compiled = compiler.compile_all([(label, c.params.grammar) for label, c in todo])
+        for (_, c), cg in zip(todo, compiled):
+            c.compiled_grammar = cg
 
     def add_checked(self, requests: Sequence[CheckedRequest], arrival_time: float | None = None) -> None:
         """Queue requests returned by ``check_requests`` (all of them, or none on an interrupt)."""
@@ -152,6 +195,15 @@ class LLMEngine:
                 req.arrival_time = arrival_time
             st = self.outputs.new_state(req, r.request_id, i)
             self._states[rid] = st
+            if r.compiled_grammar is not None:
+                from deepinfer_jax.sampling.grammar_matcher import GrammarState
+
+                comp = self.grammar_compiler()
+                K = getattr(self.scheduler, "num_draft_tokens", 0)
+                g = self._grammars[rid] = GrammarState(comp.matcher(r.compiled_grammar), comp.words, K,
+                                                       comp.extra_mask(params.grammar))
+                g.prepare(())
+                self.grammar_fill_s += g.fill_seconds
             states.append(st)
             self.scheduler.add_request(req)
         self._groups[r.request_id] = states
@@ -175,6 +227,7 @@ class LLMEngine:
         for g in parent_ids:
             for s in self._groups.pop(g):
                 self._states.pop(s.request.request_id, None)
+                self._grammars.pop(s.request.request_id, None)
             self._prompts.pop(g, None)
 
     def abort_all(self) -> None:
@@ -188,6 +241,7 @@ class LLMEngine:
             for req in list(self.scheduler.requests.values()):  # not registered with the engine
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._states.clear()
+            self._grammars.clear()
             self._groups.clear()
             self._prompts.clear()
             if self._undispatched:
@@ -204,6 +258,8 @@ class LLMEngine:
         with deferred_interrupts():
             self._undispatched = True
             sched = self.scheduler.schedule()
+            if self._grammars and sched.rows:
+                self._attach_masks(sched)
         handle = self.runner.execute(sched) if sched.rows else None
         self._undispatched = False
         if handle is not None:
@@ -221,6 +277,38 @@ class LLMEngine:
             raise RuntimeError("scheduler made no progress with nothing in flight "
                                f"({len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running)")
         return finished
+
+    def _attach_masks(self, sched) -> None:
+        """Hand the grammar rows' prepared bitmask rows to the plan (``sched.grammar_masks``)."""
+        t0 = time.perf_counter()
+        masks = {}
+        for i, row in enumerate(sched.rows):
+            g = self._grammars.get(row.request_id)
+            if g is None or not row.sample:
+                continue
+            drafts = row.token_ids[len(row.token_ids) - row.num_drafts:] if row.num_drafts else ()
+            before = g.fill_seconds
+            masks[i] = g.rows(row.num_drafts, drafts)
+            self.grammar_fill_s += g.fill_seconds - before  # a refill (drafts other than prepared)
+        sched.grammar_masks = masks or None
+        self.grammar_plan_s += time.perf_counter() - t0
+
+    def _advance_grammar(self, req, tokens) -> RequestStatus | None:
+        """Advance the request's matcher on its emitted tokens and fill its next step's bitmask
+        rows; STOPPED when the grammar is complete (it accepted EOS)."""
+        g = self._grammars.get(req.request_id)
+        if g is None:
+            return None
+        try:
+            g.advance(tokens)
+        except RuntimeError as e:
+            raise RuntimeError(f"request {req.request_id!r}: {e}") from None
+        if g.terminated:
+            return RequestStatus.FINISHED_STOPPED
+        before = g.fill_seconds
+        g.prepare(req.draft_token_ids if self.spec else ())
+        self.grammar_fill_s += g.fill_seconds - before
+        return None
 
     def _process(self, handle) -> list[RequestOutput]:
         res = handle.fetch()  # the wait for the device: interruptible
@@ -285,9 +373,11 @@ class LLMEngine:
                     for j in range(a):
                         pp[j] += 1
                 status = None
+                emitted = []
                 for j, t in enumerate(res.emitted(i)):
                     status = self.outputs.add_token(st, t, float(res.logprob[i, j]), res.top_ids[i, j],
                                                     res.top_logprobs[i, j])
+                    emitted.append(t)
                     self.stats.generated_tokens += 1
                     if status is not None:
                         break
@@ -296,10 +386,14 @@ class LLMEngine:
                     req.draft_confidence = [float(c) for c in res.draft_conf[i]]
                     req.num_drafts_proposed += len(req.draft_token_ids)
                     proposed += len(req.draft_token_ids)
+                g_status = self._advance_grammar(req, emitted) if status is None else None
+                status = status or g_status
             else:
                 status = self.outputs.add_token(st, int(res.token_ids[i]), float(res.logprob[i]),
                                                 res.top_ids[i], res.top_logprobs[i])
                 self.stats.generated_tokens += 1
+                if status is None:
+                    status = self._advance_grammar(req, [int(res.token_ids[i])])
             if status is not None:
                 self.outputs.finish_text(st, status)
                 self.scheduler.finish(req, status)

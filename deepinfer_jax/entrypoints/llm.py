@@ -64,8 +64,10 @@ class LLM:
 
         self.runner = ModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
         self.compile_time_s = self.runner.warmup(progress) if ec.precompile else 0.0
+        tok_json = os.path.join(self.model_dir, "tokenizer.json")
         self.engine = LLMEngine(self.runner, ec, self.tokenizer, self.model_config.eos_token_id,
-                                vocab_size=self.model_config.vocab_size)
+                                vocab_size=self.model_config.vocab_size,
+                                tokenizer_json=tok_json if os.path.exists(tok_json) else None)
         self._next_id = 0
         self._lock = threading.Lock()  # one generate() at a time
         self._unclean = False  # a generate() call ended without its clean-up

@@ -56,7 +56,7 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
-    out = sample(logits[:R], inp.sampling, num_logprobs, batch_invariant=bi.enabled())
+    out = sample(logits[:R], inp.sampling, num_logprobs, inp.allowed_RW, batch_invariant=bi.enabled())
     # the next step's placeholders index this step's rows: keep a fixed-size copy
     sampled_full = jnp.zeros_like(prev_sampled_R).at[:R].set(out.token_ids)
     plp = prompt_logprobs(logits[R:], inp.prompt_targets, num_logprobs) if prompt_lp else None

@@ -164,7 +164,8 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
     K1 = K + 1
     V = logits.shape[-1]
     ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, inp.sampling,
-                        num_logprobs=num_logprobs, rule=rule, batch_invariant=bi.enabled())
+                        allowed_RKW=inp.allowed_RW, num_logprobs=num_logprobs, rule=rule,
+                        batch_invariant=bi.enabled())
     if force_accept > 0:
         ver = forced_verification(ver, logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R,
                                   inp.sampling, force_accept)

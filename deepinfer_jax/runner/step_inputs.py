@@ -42,6 +42,9 @@ class StepInput:
     # host knows them), and the n-gram context: H known tokens + that row's drafts (-1 padded)
     spec_prev_row_R: jax.Array | None = None   # int32 [R]
     spec_ctx_RC: jax.Array | None = None       # int32 [R, H + K]
+    # structured output: int32 bitmask per sampler row, [R, W] (plain) or [R, K+1, W] (spec);
+    # -1 words (all allowed) for rows without a grammar; None when no row of the step has one
+    allowed_RW: jax.Array | None = None
 
 
 NUM_BANNED = 8  # banned ids per sampler row (EOS + stop ids under min_tokens); more recompiles
@@ -138,4 +141,15 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     sampling = build_sampling_batch(rows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
-    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx)
+    allowed = None
+    masks = getattr(sched, "grammar_masks", None)
+    if masks:
+        W = -(-vocab // 32)
+        allowed = np.full((num_rows, K + 1, W), -1, np.int32)
+        for i, m in masks.items():
+            m = np.asarray(m, np.int32)
+            allowed[i, :len(m)] = m
+            allowed[i, len(m):] = 0  # slots past the row's drafts are never emitted
+        if not K:
+            allowed = allowed[:, 0]
+    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx, allowed)

@@ -11,6 +11,7 @@ _EXPORTS = {
     "SamplingParams": "params", "sampling_params_from_dict": "params",
     "SampleRow": "sampler", "SamplerOutput": "sampler", "SamplingBatch": "sampler",
     "build_sampling_batch": "sampler", "min_tokens_banned_ids": "sampler", "sample": "sampler",
+    "StructuredOutput": "grammar_spec", "StructuredOutputsParams": "grammar_spec",
     "SpecVerifyOutput": "spec_verify", "verify_drafts": "spec_verify",
 }
 __all__ = sorted(_EXPORTS)

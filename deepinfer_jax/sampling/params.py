@@ -6,6 +6,10 @@ becomes a list; ``None`` lists become empty) and rejects unknown keywords; ``val
 values and raises ``ValueError`` naming the request index, the field and the bad value, e.g.
 ``"request 3: SamplingParams.top_p=1.5: must be in (0, 1]"``.
 
+Structured output (``grammar_spec.py``): ``structured_output=(kind, spec)`` or vLLM's
+``structured_outputs=StructuredOutputsParams(...)``; ``validate()`` normalises either into
+``structured_output`` (a ``StructuredOutput``; ``structured_outputs`` then becomes ``None``).
+
 ``sampling_params_from_dict`` builds and validates one request's parameters from a JSON-like dict
 (as a server receives them).
 """
@@ -17,6 +21,8 @@ import difflib
 import math
 import numbers
 from typing import Any, Mapping, Sequence
+
+from deepinfer_jax.sampling.grammar_spec import StructuredOutputsParams, normalise
 
 # As vLLM's ``_SAMPLING_EPS``: a temperature below this samples greedily.
 SAMPLING_EPS = 1e-5
@@ -43,7 +49,8 @@ class SamplingParams:
     Construct with keywords only; ``seq_seed`` is accepted as an alias of ``seed``. Defaults:
     ``n=1, temperature=1.0, top_p=1.0, top_k=0 (off; -1 also means off), min_p=0.0,
     max_tokens=16, min_tokens=0, stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None,
-    prompt_logprobs=None, seed=None, include_stop_str_in_output=False, skip_special_tokens=True``.
+    prompt_logprobs=None, seed=None, include_stop_str_in_output=False, skip_special_tokens=True,
+    structured_output=None, structured_outputs=None``.
     """
 
     n: int
@@ -61,6 +68,8 @@ class SamplingParams:
     prompt_logprobs: int | None
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    structured_output: Any
+    structured_outputs: Any
 
     def __init__(
         self,
@@ -80,6 +89,8 @@ class SamplingParams:
         prompt_logprobs: int | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        structured_output: Any = None,
+        structured_outputs: Any = None,
         seq_seed: int | None = None,
         **unknown: Any,
     ) -> None:
@@ -106,6 +117,8 @@ class SamplingParams:
         self.prompt_logprobs = prompt_logprobs
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
+        self.structured_output = structured_output
+        self.structured_outputs = structured_outputs
 
     @property
     def is_greedy(self) -> bool:
@@ -161,7 +174,16 @@ class SamplingParams:
         check_int("prompt_logprobs", 0, max_logprobs, optional=True)
         check_bool("include_stop_str_in_output")
         check_bool("skip_special_tokens")
+        self.structured_output = normalise(self.structured_output, self.structured_outputs,
+                                           f"{_prefix(index)}SamplingParams")
+        self.structured_outputs = None
         return self
+
+    @property
+    def grammar(self):
+        """The normalised ``StructuredOutput`` (after ``validate()``), or None."""
+        so = self.structured_output
+        return so if so is not None and not isinstance(so, (tuple, list)) else None
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -202,6 +224,8 @@ def sampling_params_from_dict(d: Mapping[str, Any], index: int | None = None, *,
         if key not in ACCEPTED_KEYS:
             raise ValueError(unknown_field_message(key, value, index))
     kwargs = {k: v for k, v in d.items() if v is not None}
+    if isinstance(kwargs.get("structured_outputs"), Mapping):  # vLLM's JSON form
+        kwargs["structured_outputs"] = {k: v for k, v in kwargs["structured_outputs"].items() if v is not None}
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:  # seed / seq_seed conflict

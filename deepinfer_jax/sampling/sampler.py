@@ -5,6 +5,9 @@ returned (static), B = banned ids per row (static, from the array shape).
 
 Per row, in vLLM's order:
 
+0. With structured output, ids outside the row's int32 bitmask ``allowed_RW`` (``[R, W]``,
+   ``W = ceil(V/32)``, the xgrammar layout; all ones for rows without a grammar) are set to
+   ``-inf``; without any grammar row the step passes ``None`` and nothing is masked.
 1. ``banned_RB`` ids are set to ``-inf`` (the engine bans EOS and ``stop_token_ids`` while fewer
    than ``min_tokens`` tokens are out; see ``min_tokens_banned_ids``).
 2. Greedy rows (``temperature < SAMPLING_EPS``, i.e. 0) take the argmax; ties go to the lowest id.
@@ -163,6 +166,15 @@ def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab
 # --------------------------------------------------------------------------- device side
 
 
+def unpack_bitmask(mask_XW: jax.Array, vocab: int) -> jax.Array:
+    """bool ``[..., vocab]`` from an int32 bitmask ``[..., ceil(vocab/32)]`` (bit ``v % 32`` of
+    word ``v // 32`` set = token ``v`` allowed), the xgrammar layout."""
+    words = jax.lax.bitcast_convert_type(jnp.asarray(mask_XW, jnp.int32), jnp.uint32)
+    v = jnp.arange(vocab)
+    bits = jnp.take(words, v // 32, axis=-1) >> (v % 32).astype(jnp.uint32)
+    return (bits & 1).astype(jnp.bool_)
+
+
 def ban_tokens(logits_RV: jax.Array, banned_RB: jax.Array) -> jax.Array:
     """``logits_RV`` with each row's ``banned_RB`` ids (``-1`` = none) set to ``-inf``."""
     R, V = logits_RV.shape
@@ -215,15 +227,17 @@ def gumbel_noise(seed_R2: jax.Array, position_R: jax.Array, vocab: int) -> jax.A
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant"))
 def sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int = 0,
-           batch_invariant: bool = False) -> SamplerOutput:
+           allowed_RW: jax.Array | None = None, batch_invariant: bool = False) -> SamplerOutput:
     """Sample one token per row of ``logits_RV`` ``[R, V]`` (see the module docstring) and return
     it with its raw logprob and the raw top-``num_logprobs`` (static; 0 gives ``[R, 0]``).
+    ``allowed_RW``: the optional structured-output bitmask (``None`` = every id allowed).
     ``batch_invariant`` (static): the row reductions in a fixed order (``base/batch_invariant.py``)."""
     with bi.use(batch_invariant):
-        return _sample(logits_RV, sb, num_logprobs)
+        return _sample(logits_RV, sb, num_logprobs, allowed_RW)
 
 
-def _sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int) -> SamplerOutput:
+def _sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int,
+            allowed_RW: jax.Array | None) -> SamplerOutput:
     logits_RV = logits_RV.astype(jnp.float32)
     R, V = logits_RV.shape
     if sb.num_rows != R:
@@ -231,6 +245,8 @@ def _sample(logits_RV: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sampl
     lse_R = bi.logsumexp(logits_RV, axis=-1)
 
     allowed_RV = ban_tokens(logits_RV, sb.banned_RB)
+    if allowed_RW is not None:
+        allowed_RV = jnp.where(unpack_bitmask(allowed_RW, V), allowed_RV, -jnp.inf)
     token_R = jnp.argmax(allowed_RV, axis=-1).astype(jnp.int32)  # greedy; ties -> lowest id
     if not sb.all_greedy:
         temperature_R = jnp.asarray(sb.temperature, jnp.float32)

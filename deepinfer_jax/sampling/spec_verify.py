@@ -44,7 +44,8 @@ import jax.numpy as jnp
 
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.sampling.params import SAMPLING_EPS
-from deepinfer_jax.sampling.sampler import SamplingBatch, apply_filters, ban_tokens, gumbel_noise, row_keys
+from deepinfer_jax.sampling.sampler import (SamplingBatch, apply_filters, ban_tokens, gumbel_noise, row_keys,
+                                            unpack_bitmask)  # noqa: F401  (unpack_bitmask: re-exported)
 
 RULES = ("uniform", "coupled")
 # fold_in data of the acceptance uniform's key ("SPEC"); the Gumbel noise uses the key itself.
@@ -60,15 +61,6 @@ class SpecVerifyOutput:
     logprob: jax.Array       # f32 [R, K+1]: raw log_softmax(logits)[token] per emitted slot; 0 beyond
     top_ids: jax.Array       # int32 [R, K+1, N]: raw top-N ids per slot (every slot, emitted or not)
     top_logprobs: jax.Array  # f32 [R, K+1, N]
-
-
-def unpack_bitmask(mask_XW: jax.Array, vocab: int) -> jax.Array:
-    """bool ``[..., vocab]`` from an int32 bitmask ``[..., ceil(vocab/32)]`` (bit ``v % 32`` of
-    word ``v // 32`` set = token ``v`` allowed), the xgrammar layout."""
-    words = jax.lax.bitcast_convert_type(jnp.asarray(mask_XW, jnp.int32), jnp.uint32)
-    v = jnp.arange(vocab)
-    bits = jnp.take(words, v // 32, axis=-1) >> (v % 32).astype(jnp.uint32)
-    return (bits & 1).astype(jnp.bool_)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "rule", "batch_invariant"))
