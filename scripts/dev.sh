@@ -28,14 +28,15 @@ case "$STACK" in
   *) echo "error: DEEPINFER_STACK=$STACK: expected 'pinned' or 'latest'" >&2; exit 2 ;;
 esac
 
-ensure_venv() {
-  local stamp=$VENV/.deepinfer-installed
+ensure_venv() {  # $1: the extras to install (demo: dev; test and setup: dev,grammar)
+  local extras=${1:-dev,grammar}
+  local stamp=$VENV/.deepinfer-installed-${extras/,/-}
   if [ ! -x $VENV/bin/python ]; then
     "$(find_python)" -m venv $VENV
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints/cpu-torch.txt -nt "$stamp" ]; then
     $VENV/bin/python -m pip install -q --upgrade pip >/dev/null
-    # [grammar] (xgrammar, structured output) is part of the test command: its tests must run,
+    # [grammar] (xgrammar, structured output; the demo does not need it) is part of the test command: its tests must run,
     # never skip. xgrammar 0.2 imports torch (and transformers) at import time, and PyPI has only
     # the CUDA build of torch for Python 3.12 on Linux x86_64, so this pulls torch + its nvidia-*
     # wheels + triton: 3.07 GB of wheels, 6.6 GB installed, about 260 s per fresh venv on a 2-core
@@ -43,14 +44,14 @@ ensure_venv() {
     # sound: torch's CUDA libraries are DT_NEEDED by libtorch_cuda.so (without them
     # `import torch` fails), and triton is a dependency of torch itself. CI's two venvs
     # (pinned, latest) each pay it in a fresh clone; a checkout that has them reuses them (stamp).
-    $VENV/bin/python -m pip install -q -e ".[dev,grammar]" "${PINS[@]}"
+    $VENV/bin/python -m pip install -q -e ".[$extras]" "${PINS[@]}"
     touch "$stamp"
   fi
 }
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-  demo) ensure_venv; exec $VENV/bin/deepinfer-jax generate "$@" ;;
+  demo) ensure_venv dev; exec $VENV/bin/deepinfer-jax generate "$@" ;;
   test) ensure_venv
         $VENV/bin/python -c 'from importlib.metadata import version as v; print("stack ('"$STACK"'):", ", ".join(f"{p} {v(p)}" for p in ("jax", "jaxlib", "flax", "orbax-checkpoint", "numpy")))'
         # two pytest workers (pytest-xdist), a test file per worker: most of the suite's time is
