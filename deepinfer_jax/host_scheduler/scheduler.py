@@ -172,7 +172,7 @@ class Scheduler:
             return 0  # the in-flight samples will finish it
         if self.num_draft_tokens and req.num_pending and len(req.output_token_ids) < p.min_tokens:
             return 0  # min_tokens bans need the exact output count: wait for the in-flight row
-        if req.num_pending and getattr(p, "grammar", None) is not None:
+        if req.num_pending and p.grammar is not None:
             return 0  # structured output: the next bitmask needs the in-flight token (a sync point)
         return 1 + min(self._draft_plan.get(req.request_id, 0), budget - 1)
 

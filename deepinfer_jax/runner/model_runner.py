@@ -135,7 +135,7 @@ class ModelRunner:
         self.mesh = mesh
         self.cfg = cfg or ModelConfig.from_json(model_dir)
         self.kernels = ec.kernels or ops.default_backend()  # this runner's choice, not the process's
-        self.batch_invariant = bool(getattr(ec, "batch_invariant", False))  # base/batch_invariant.py
+        self.batch_invariant = ec.batch_invariant  # base/batch_invariant.py
         # ops that shard_map a kernel read the context mesh at trace time (moe_ep.py); without a
         # mesh the step runs on one device, said with a one-device mesh so that a multi-GPU host
         # keeps its kernels (several devices and no mesh would make them fall back)

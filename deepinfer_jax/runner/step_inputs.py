@@ -142,7 +142,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
     allowed = None
-    masks = getattr(sched, "grammar_masks", None)
+    masks = sched.grammar_masks
     if masks:
         W = -(-vocab // 32)
         allowed = np.full((num_rows, K + 1, W), -1, np.int32)
