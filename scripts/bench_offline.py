@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         per_mode[mode] = {"summary": s, "steps": [dataclasses.asdict(x) for x in llm.stats.steps]}
     base = next((r for r in rows if r["mode"] == "sync"), rows[0])
     hdr = f"{'mode':6} {'gen tok/s':>10} {'tok/s':>9} {'vs sync':>8} {'steps':>6} {'step p50 ms':>12} " \
-          f"{'step p90 ms':>12} {'host ms/step':>13} {'wall s':>7} {'pad %':>6}"
+          f"{'step p90 ms':>12} {'host ms/step':>13} {'wall s':>7} {'pad %':>6}   host ms: plan / inputs / call / results"
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), model {llm.model_dir}")
     print(f"workload: {args.num_prompts} prompts x ~{args.input_len} tokens (+{args.shared_prefix} shared), "
           f"{args.output_len} output tokens; buckets {ec.token_buckets}, max_num_seqs {ec.max_num_seqs}; "
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         print(f"{r['mode']:6} {r['generated_tokens_per_s']:10.1f} {r['total_tokens_per_s']:9.1f} "
               f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:8.2f} {r['steps']:6d} "
               f"{1e3 * r['step_time_p50_s']:12.2f} {1e3 * r['step_time_p90_s']:12.2f} "
-              f"{1e3 * r['host_time_mean_s']:13.2f} {r['wall_time_s']:7.2f} {100 * r['padding_fraction']:6.1f}")
+              f"{1e3 * r['host_time_mean_s']:13.2f} {r['wall_time_s']:7.2f} {100 * r['padding_fraction']:6.1f}   "
+              + " / ".join(f"{1e3 * v:.2f}" for v in r["host_breakdown_mean_s"].values()))
     out = args.out or os.path.join("benchmarks", "results", f"offline_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

@@ -19,6 +19,7 @@ from deepinfer_jax.runner.engram_hash_device import (
     mod_u64,
     mul_u32_u64,
     split_u64,
+    window_partials,
 )
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -267,3 +268,29 @@ def test_from_hasher_rejects_wide_token_map_and_overflow():
     mult[0, 1] = _INT64_MAX // 50
     with pytest.raises(ValueError, match="overflows int64"):
         DeviceEngramTables.from_hasher(dataclasses.replace(hs, multipliers=mult))
+
+
+@pytest.mark.parametrize("name", ["v41-tiny", "v41-flash"])
+def test_window_forms_equal_the_per_request_hashes(name):
+    """The engine's batched host path (``hash_windows`` / ``window_partials`` over the look-back
+    windows of many requests at once) gives exactly the per-request ``hash_positions`` /
+    ``host_partials``: fresh random histories, positions near 0 (pad look-backs) and deep."""
+    hasher = _hasher(name)
+    K = hasher.max_ngram_size
+    vocab = hasher.token_map.shape[0]
+    rng = np.random.default_rng()
+    want_h, want_p, windows = [], [], []
+    for n in rng.integers(1, 40, size=24):
+        hist = rng.integers(0, vocab, size=int(n))
+        pos = rng.integers(0, n, size=int(rng.integers(1, 6)))
+        want_h.append(hasher.hash_positions(hist, pos))
+        want_p.append(host_partials(hasher, hist, pos))
+        src = pos[:, None] - np.arange(K)[None, :]
+        windows.append(np.where(src >= 0, hist[np.maximum(src, 0)], -1))
+    win = np.concatenate(windows)
+    np.testing.assert_array_equal(hasher.hash_windows(win), np.concatenate(want_h))
+    np.testing.assert_array_equal(window_partials(hasher, win), np.concatenate(want_p))
+    with pytest.raises(ValueError, match=r"window token ids must lie in \[0, "):
+        hasher.hash_windows(np.full((1, K), vocab))
+    with pytest.raises(ValueError, match=r"window_nK must have shape"):
+        hasher.hash_windows(np.zeros((2, K + 1), np.int64))

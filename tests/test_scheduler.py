@@ -124,6 +124,7 @@ class FakeHandle:
     def __init__(self, runner, sched, result, t_dispatch, bucket):
         self.runner, self.sched, self._result = runner, sched, result
         self.t_dispatch, self.t_done, self.bucket_tokens = t_dispatch, None, bucket
+        self.inputs_time = self.call_time = 0.0  # the runner's host-time split (StepHandle)
 
     def fetch(self) -> FakeResult:
         r = self.runner

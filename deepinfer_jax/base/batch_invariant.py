@@ -54,6 +54,21 @@ def enabled() -> bool:
     return _ON.get()
 
 
+def compiler_options(platform: str) -> dict | None:
+    """XLA options of a batch-invariant step's compile on ``platform`` (None: none needed).
+
+    On the GPU, XLA's autotuner times candidate GEMM configurations (tiles, split-K) for every
+    product of each compile and keeps the fastest, so two compiled step variants can run the same
+    ``ROW_TILE``-row product with different reduction orders. On the H200 with the jnp references
+    (``scripts/batch_invariance_probe.py``), the default autotuner broke the invariance (a request
+    alone vs in a batch of 41: logprobs off by up to 5.1, tokens differing), and
+    ``xla_gpu_autotune_level=0`` (configurations picked by shape alone) made all checked requests
+    bit-identical. The option is per compile: the plain steps keep the autotuner."""
+    if platform in ("gpu", "cuda", "rocm"):
+        return {"xla_gpu_autotune_level": 0}
+    return None
+
+
 # --------------------------------------------------------------------------- reductions
 
 

@@ -26,6 +26,7 @@ as a sub-batch; ``None`` runs the decoder layers on every token (``off`` and ``m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
 import jax
@@ -96,86 +97,131 @@ def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_
     ``"all"`` (every token) or explicit flat indices; padded to ``num_logits`` with index 0.
     ``num_decoder_tokens`` (compact truncation) adds the ``DecoderView`` of the tokens at or above
     each row's decoder floor, padded to that size; logits indices must all be such tokens."""
-    total = sum(len(r.token_ids) for r in rows)
+    lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+    engram = None
+    if n_engram_layers and any(r.engram_ids is not None for r in rows):
+        engram = np.zeros((int(lengths.sum()), n_engram_layers, max(n_hash_cols, 1)), np.int64)
+        o = 0
+        for r, n in zip(rows, lengths):
+            if r.engram_ids is not None:
+                engram[o:o + n] = r.engram_ids
+            o += n
+    return pack_batch(
+        np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int64), lengths,
+        np.fromiter((r.start for r in rows), np.int64, len(rows)),
+        np.fromiter((r.slot for r in rows), np.int64, len(rows)), [r.blocks for r in rows],
+        np.fromiter((r.floor for r in rows), np.int64, len(rows)),
+        np.fromiter((r.decoder_floor() for r in rows), np.int64, len(rows)),
+        np.fromiter((r.cache_start for r in rows), np.int64, len(rows)),
+        engram_ids=engram, num_tokens=num_tokens, num_rows=num_rows, max_blocks=max_blocks,
+        num_slots=num_slots, n_engram_layers=n_engram_layers, n_hash_cols=n_hash_cols, logits=logits,
+        num_logits=num_logits, num_decoder_tokens=num_decoder_tokens)
+
+
+def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]], floors, dec_floors,
+               cache_starts, *, engram_ids=None, num_tokens: int, num_rows: int, max_blocks: int,
+               num_slots: int, n_engram_layers: int, n_hash_cols: int,
+               logits: str | Sequence[int] | np.ndarray = "last", num_logits: int | None = None,
+               num_decoder_tokens: int | None = None) -> ForwardBatch:
+    """``build_batch`` from per-row arrays, without a Python loop over rows (the engine's hot
+    path): ``token_ids`` the rows' tokens concatenated, ``lengths`` / ``starts`` / ``slots`` /
+    ``floors`` / ``dec_floors`` (already ``>= floors``) / ``cache_starts`` one entry per row,
+    ``blocks`` each row's block ids, ``engram_ids`` ``[total, n_engram_layers, n_hash_cols]`` or
+    None (zeros)."""
+    n_R = np.asarray(lengths, np.int64)
+    nr = n_R.shape[0]
+    total = int(n_R.sum())
     if total > num_tokens:
         raise ValueError(f"num_tokens={num_tokens} < {total} tokens in the step")
-    if len(rows) > num_rows:
-        raise ValueError(f"num_rows={num_rows} < {len(rows)} rows in the step")
+    if nr > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {nr} rows in the step")
+    off_R = np.zeros(nr, np.int64)
+    np.cumsum(n_R[:-1], out=off_R[1:])
+    start_R = np.asarray(starts, np.int64)
+    row_of_t = np.repeat(np.arange(nr), n_R)                  # [total]
+    j_t = np.arange(total) - off_R[row_of_t]                   # index of each token in its row
     tok = np.zeros(num_tokens, np.int32)
+    tok[:total] = token_ids
     pos = np.zeros(num_tokens, np.int32)
+    pos[:total] = start_R[row_of_t] + j_t
     trow = np.zeros(num_tokens, np.int32)
+    trow[:total] = row_of_t
     valid = np.zeros(num_tokens, bool)
+    valid[:total] = True
     eids = np.zeros((num_tokens, max(n_engram_layers, 1), max(n_hash_cols, 1)), np.int32)
+    if engram_ids is not None and n_engram_layers:
+        eids[:total] = engram_ids
     slot = np.full(num_rows, num_slots, np.int32)
+    slot[:nr] = slots
     start = np.zeros(num_rows, np.int32)
+    start[:nr] = start_R
     length = np.zeros(num_rows, np.int32)
+    length[:nr] = n_R
     off = np.zeros(num_rows, np.int32)
+    off[:nr] = off_R
+    nb_R = np.fromiter((len(b) for b in blocks), np.int64, nr)
+    if nr and nb_R.max() > max_blocks:
+        i = int(np.argmax(nb_R > max_blocks))
+        raise ValueError(f"row {i}: {int(nb_R[i])} blocks > max_blocks={max_blocks}")
     bt = np.zeros((num_rows, max_blocks), np.int32)
+    bt[:nr][np.arange(max_blocks)[None, :] < nb_R[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(blocks), np.int64, int(nb_R.sum()))
     floor = np.zeros(num_rows, np.int32)
+    floor[:nr] = floors
     dfloor = np.zeros(num_rows, np.int32)
+    dfloor[:nr] = dec_floors
     cstart = np.zeros(num_rows, np.int32)
-    last = []
-    o = 0
-    for i, r in enumerate(rows):
-        n = len(r.token_ids)
-        if len(r.blocks) > max_blocks:
-            raise ValueError(f"row {i}: {len(r.blocks)} blocks > max_blocks={max_blocks}")
-        tok[o:o + n] = r.token_ids
-        pos[o:o + n] = np.arange(r.start, r.start + n)
-        trow[o:o + n] = i
-        valid[o:o + n] = True
-        if r.engram_ids is not None and n_engram_layers:
-            eids[o:o + n] = r.engram_ids
-        slot[i], start[i], length[i], off[i] = r.slot, r.start, n, o
-        bt[i, : len(r.blocks)] = r.blocks
-        floor[i], dfloor[i], cstart[i] = r.floor, r.decoder_floor(), r.cache_start
-        last.append(o + n - 1)
-        o += n
+    cstart[:nr] = cache_starts
     if isinstance(logits, str):
         if logits == "last":
-            li = last
+            li = off_R + n_R - 1
         elif logits == "all":
-            li = list(range(total))
+            li = np.arange(total)
         else:
             raise ValueError(f"logits={logits!r}: expected 'last', 'all' or indices")
     else:
-        li = list(logits)  # -1: a row whose logits nobody reads (computed at token 0)
+        li = np.asarray(logits, np.int64).reshape(-1)  # -1: a row whose logits nobody reads (computed at token 0)
     n_l = num_logits or max(len(li), 1)
     if len(li) > n_l:
         raise ValueError(f"num_logits={n_l} < {len(li)} requested logit rows")
     li_arr = np.zeros(n_l, np.int32)
-    li_arr[: len(li)] = np.maximum(np.asarray(li, np.int64), 0)
+    li_arr[: len(li)] = np.maximum(li, 0)
     dec = None
     if num_decoder_tokens is not None:
-        dec = _decoder_view(rows, li, num_decoder_tokens, num_rows, n_l)
+        dec = _decoder_view(n_R, off_R, start_R, dfloor[:nr].astype(np.int64), row_of_t, j_t, li,
+                            num_decoder_tokens, num_rows, n_l)
     return ForwardBatch(tok, pos, trow, valid, eids, slot, start, length, off, bt, li_arr,
                         floor, dfloor, cstart, dec)
 
 
-def _decoder_view(rows: Sequence[RowSpec], logits_idx: Sequence[int], num_dec: int, num_rows: int,
+def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_dec: int, num_rows: int,
                   num_logits: int) -> DecoderView:
+    nr = n_R.shape[0]
+    first_R = np.minimum(np.maximum(dfloor_R - start_R, 0), n_R)  # first kept token of each row
+    k_R = n_R - first_R
+    n_dec = int(k_R.sum())
+    if n_dec > num_dec:
+        raise ValueError(f"num_decoder_tokens={num_dec} < decoder tokens in the step")
+    odec_R = np.zeros(nr, np.int64)
+    np.cumsum(k_R[:-1], out=odec_R[1:])
+    row_of_d = np.repeat(np.arange(nr), k_R)
+    jd = np.arange(n_dec) - odec_R[row_of_d]                      # index among the row's kept tokens
     index = np.zeros(num_dec, np.int32)
+    index[:n_dec] = off_R[row_of_d] + first_R[row_of_d] + jd
     valid = np.zeros(num_dec, bool)
+    valid[:n_dec] = True
     start = np.zeros(num_rows, np.int32)
+    start[:nr] = start_R + first_R
     length = np.zeros(num_rows, np.int32)
+    length[:nr] = k_R
     off = np.zeros(num_rows, np.int32)
-    n_full = sum(len(r.token_ids) for r in rows)
+    off[:nr] = odec_R
+    n_full = row_of_t.shape[0]
+    kept = j_t >= first_R[row_of_t]
     full_to_dec = np.full(n_full + 1, -1, np.int64)  # flat token -> decoder token (-1: not kept)
-    o_full = o_dec = 0
-    for i, r in enumerate(rows):
-        n = len(r.token_ids)
-        first = min(max(r.decoder_floor() - r.start, 0), n)  # first kept token of the row
-        k = n - first
-        if o_dec + k > num_dec:
-            raise ValueError(f"num_decoder_tokens={num_dec} < decoder tokens in the step")
-        index[o_dec:o_dec + k] = np.arange(o_full + first, o_full + n)
-        valid[o_dec:o_dec + k] = True
-        start[i], length[i], off[i] = r.start + first, k, o_dec
-        full_to_dec[o_full + first:o_full + n] = np.arange(o_dec, o_dec + k)
-        o_full += n
-        o_dec += k
+    full_to_dec[:n_full][kept] = odec_R[row_of_t[kept]] + j_t[kept] - first_R[row_of_t[kept]]
     li = np.zeros(num_logits, np.int32)
-    want = np.asarray(list(logits_idx), np.int64)
+    want = np.asarray(logits_idx, np.int64)
     asked = want >= 0
     mapped = full_to_dec[np.where(asked, np.minimum(want, n_full), n_full)]
     if np.any(asked & (mapped < 0)):

@@ -260,10 +260,12 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if self._grammars and sched.rows:
                 self._attach_masks(sched)
+        t_planned = time.perf_counter()
         handle = self.runner.execute(sched) if sched.rows else None
         self._undispatched = False
         if handle is not None:
             handle.host_time = time.perf_counter() - t0
+            handle.schedule_time = t_planned - t0
         finished: list[RequestOutput] = []
         progressed = handle is not None
         if self.ec.async_scheduling:
@@ -332,6 +334,7 @@ class LLMEngine:
                                    "outputs are not finite (e.g. NaN weights)")
 
     def _apply(self, handle, res) -> list[RequestOutput]:
+        t_apply = time.perf_counter()
         sched = handle.sched
         done_groups = []
         now = time.monotonic()
@@ -407,7 +410,8 @@ class LLMEngine:
             host_time_s=handle.host_time, cache_hit_tokens=sched.cache_hit_tokens,
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait),
             spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,
-            drafts_accepted_per_position=acc_pos))
+            drafts_accepted_per_position=acc_pos, schedule_s=handle.schedule_time, inputs_s=handle.inputs_time,
+            call_s=handle.call_time, process_s=time.perf_counter() - t_apply))
         if self.forward_estimator is not None:
             self.forward_estimator.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
         out = [self._request_output(g) for g in done_groups]

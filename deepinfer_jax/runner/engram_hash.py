@@ -166,9 +166,25 @@ class EngramHasher:
             usable = valid & ~blocked
         comp = self.token_map[token_ids]  # [N]
         t = np.where(usable, comp[src_c], np.int64(self.pad_id))  # [n, K]
+        return self._hash_compressed(t)
 
+    def hash_windows(self, window_nK: np.ndarray) -> np.ndarray:
+        """Hash ids from look-back windows, many positions (of any requests) in one call:
+        ``window_nK[i, k]`` is the token id at ``p_i - k`` (k = 0..K-1), or -1 where ``p_i - k < 0``
+        (the pad id). Same output as :meth:`hash_positions` (which has dead-token support)."""
+        w = np.asarray(window_nK, np.int64)
+        if w.ndim != 2 or w.shape[1] != self.max_ngram_size:
+            raise ValueError(f"window_nK must have shape [n, {self.max_ngram_size}], got {w.shape}")
+        vocab = self.token_map.shape[0]
+        if w.size and (w.min() < -1 or w.max() >= vocab):
+            raise ValueError(f"window token ids must lie in [0, {vocab}) or be -1, got range "
+                             f"[{int(w.min())}, {int(w.max())}]")
+        t = np.where(w >= 0, self.token_map[np.maximum(w, 0)], np.int64(self.pad_id))
+        return self._hash_compressed(t)
+
+    def _hash_compressed(self, t_nK: np.ndarray) -> np.ndarray:
         # [n, L, K]; no overflow: t < compressed size, multiplier < int64_max // compressed size.
-        prods = t[:, None, :] * self.multipliers[None, :, :]
+        prods = t_nK[:, None, :] * self.multipliers[None, :, :]
         rolling = np.bitwise_xor.accumulate(prods, axis=2)[:, :, 1:]  # [n, L, K-1]
         h = np.mod(rolling[:, :, :, None], self.primes[None])  # [n, L, K-1, H]
         h = h.reshape(h.shape[0], self.n_layers, self.n_hash_cols)

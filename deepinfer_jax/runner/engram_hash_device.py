@@ -44,6 +44,7 @@ from deepinfer_jax.runner.engram_hash import EngramHasher
 __all__ = [
     "DeviceEngramTables",
     "host_partials",
+    "window_partials",
     "device_hash",
     "device_hash_window",
     "mul_u32_u64",
@@ -103,7 +104,23 @@ def host_partials(
     comp_N1 = np.append(hasher.token_map[hist_N.astype(np.int64)], np.int64(hasher.pad_id))
     src_nK1 = pos_n[:, None] - np.arange(1, K, dtype=np.int64)[None, :]  # shifts 1..K-1
     src_nK1 = np.where(src_nK1 >= 0, src_nK1, n_tok)
-    t_nK1 = comp_N1[src_nK1]
+    return _partials_compressed(hasher, comp_N1[src_nK1])
+
+
+def window_partials(hasher: EngramHasher, window_nK: np.ndarray) -> np.ndarray:
+    """:func:`host_partials` from look-back windows, many positions in one call: ``window_nK[i, k]``
+    is the token id at ``p_i - k`` or -1 before position 0 (column 0, the unknown token, is
+    ignored). Returns uint32 ``[n, n_layers, K-1, 2]``."""
+    w = np.asarray(window_nK, np.int64)[:, 1:]
+    vocab = hasher.token_map.shape[0]
+    if w.size and (w.min() < -1 or w.max() >= vocab):
+        raise ValueError(f"window token ids must lie in [0, {vocab}) or be -1, got range "
+                         f"[{int(w.min())}, {int(w.max())}]")
+    return _partials_compressed(hasher, np.where(w >= 0, hasher.token_map[np.maximum(w, 0)],
+                                                 np.int64(hasher.pad_id)))
+
+
+def _partials_compressed(hasher: EngramHasher, t_nK1: np.ndarray) -> np.ndarray:
     # [n, L, K-1]; no overflow: t < compressed size, multiplier < int64_max // compressed size.
     prods_nLK1 = t_nK1[:, None, :] * hasher.multipliers[None, :, 1:]
     partial_nLK1 = np.bitwise_xor.accumulate(prods_nLK1, axis=2)

@@ -30,14 +30,16 @@ from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
+from deepinfer_jax.runner.packed_input import PackedLayout, pack, unpack
 from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
 
 
-def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
-               num_logprobs: int, prompt_lp: bool, kernels: str, batch_invariant: bool = False):
+def _step_impl(graphdef, state_treedef, state_leaves, cache, inp_bufs, prev_sampled_R, engram_tables, *,
+               layout: PackedLayout, num_logprobs: int, prompt_lp: bool, kernels: str, batch_invariant: bool = False):
     # ops pick kernels and numerics at trace time; ``kernels`` and ``batch_invariant`` key the compile cache
+    inp: StepInput = unpack(inp_bufs, layout)
     with ops.use_backend(kernels), bi.use(batch_invariant):
         return _step_body(graphdef, state_treedef, state_leaves, cache, inp, prev_sampled_R, engram_tables,
                           num_logprobs, prompt_lp)
@@ -63,27 +65,36 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     return cache, out, plp, sampled_full
 
 
+def _packed_spec_step(graphdef, state_treedef, state_leaves, cache, inp_bufs, carry, engram_tables, *,
+                      layout: PackedLayout, **kw):
+    return spec_step_impl(graphdef, state_treedef, state_leaves, cache, unpack(inp_bufs, layout), carry,
+                          engram_tables, **kw)
+
+
 _STEP_FNS: dict = {}
 
 
-def step_function(graphdef, state_treedef, spec: bool = False):
+def step_function(graphdef, state_treedef, spec: bool = False, batch_invariant: bool = False):
     """The jitted step of one model structure. The graphdef and the state's tree structure are
     closed over (hashed once here, not at every call) and the weights travel as a flat list of
     arrays: per-call dispatch cost stays independent of the model's module tree. Runners of
     equal models share the function and so its compiled buckets; the kernel choice is a static
-    argument, so runners that differ in it compile (and run) their own."""
-    key = (graphdef, state_treedef, spec)
+    argument, so runners that differ in it compile (and run) their own. Batch-invariant steps
+    are their own function: they compile with ``batch_invariant.compiler_options`` (on the GPU,
+    no GEMM autotuning)."""
+    key = (graphdef, state_treedef, spec, batch_invariant)
     fn = _STEP_FNS.get(key)
     if fn is None:
+        opts = bi.compiler_options(jax.default_backend()) if batch_invariant else None
         if spec:  # runner/spec_step.py: verify, roll back, draft
-            fn = jax.jit(functools.partial(spec_step_impl, graphdef, state_treedef),
-                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept",
+            fn = jax.jit(functools.partial(_packed_spec_step, graphdef, state_treedef),
+                         static_argnames=("layout", "num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept",
                                           "batch_invariant"),
-                         donate_argnames=("cache",))
+                         donate_argnames=("cache",), compiler_options=opts)
         else:
             fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
-                         static_argnames=("num_logprobs", "prompt_lp", "kernels", "batch_invariant"),
-                         donate_argnames=("cache",))
+                         static_argnames=("layout", "num_logprobs", "prompt_lp", "kernels", "batch_invariant"),
+                         donate_argnames=("cache",), compiler_options=opts)
         _STEP_FNS[key] = fn
     return fn
 
@@ -111,6 +122,9 @@ class StepHandle:
         self.t_dispatch, self.bucket_tokens = t_dispatch, bucket_tokens
         self.t_done: float | None = None
         self.host_time = 0.0  # the engine's planning + input building + dispatch time
+        self.schedule_time = 0.0  # the engine's planning (set by the engine)
+        self.inputs_time = 0.0    # build_step_input
+        self.call_time = 0.0      # the jitted call (t_dispatch is its end)
         for a in jax.tree.leaves((out, plp)):
             a.copy_to_host_async()
 
@@ -144,11 +158,12 @@ class ModelRunner:
         model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
-        self._step = step_function(self.graphdef, state_treedef)
+        self._step = step_function(self.graphdef, state_treedef, batch_invariant=self.batch_invariant)
         # speculative decoding: verification rows of 1 + spec_slots tokens (0 = off)
         self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
         if self.spec_slots:
-            self._spec_step = step_function(self.graphdef, state_treedef, spec=True)
+            self._spec_step = step_function(self.graphdef, state_treedef, spec=True,
+                                            batch_invariant=self.batch_invariant)
             self.spec_carry = SpecCarry.empty(ec.max_num_seqs, self.spec_slots)
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
@@ -200,30 +215,38 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def _dispatch(self, sched, T: int, R: int, Td: int | None):
+        t_in = time.perf_counter()
         prompt_lp = sched.wants_prompt_logprobs
         inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=prompt_lp, spec_slots=self.spec_slots)
+        bufs, layout = pack(inp)  # a few transfers instead of one per array
         t0 = time.perf_counter()
-        offsets = [int(o) for o in np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1]]
+        offsets = np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1].tolist()
         if self.spec_slots:
             with jax.set_mesh(self.trace_mesh), deferred_interrupts():
                 self.cache, out, plp, self.spec_carry = self._spec_step(
-                    self.state_leaves, self.cache, inp, self.spec_carry, self.engram_tables,
+                    self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables, layout=layout,
                     num_logprobs=self.ec.max_logprobs,
                     prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule,
                     force_accept=float(self.ec.spec_force_accept or 0.0), batch_invariant=self.batch_invariant)
-            return StepHandle(sched, out, plp, offsets, t0, T, spec=True)
+            return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=True), t_in)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
         # cache: a KeyboardInterrupt between the call and the store would leave ``self.cache``
         # deleted, so SIGINT is held until both are done
         with jax.set_mesh(self.trace_mesh), deferred_interrupts():
             self.cache, out, plp, self.prev_sampled = self._step(
-                self.state_leaves, self.cache, inp, self.prev_sampled, self.engram_tables,
+                self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables, layout=layout,
                 num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
                 batch_invariant=self.batch_invariant)
-        return StepHandle(sched, out, plp, offsets, t0, T)
+        return self._timed(StepHandle(sched, out, plp, offsets, t0, T), t_in)
+
+    @staticmethod
+    def _timed(handle: StepHandle, t_inputs: float) -> StepHandle:
+        handle.inputs_time = handle.t_dispatch - t_inputs
+        handle.call_time = time.perf_counter() - handle.t_dispatch
+        return handle
 
     def execute(self, sched) -> StepHandle:
         """Dispatch one step without waiting for it."""

@@ -18,12 +18,13 @@ Engram, finishes its hash from ``engram_partials``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
 
-from deepinfer_jax.runner.engram_hash_device import host_partials
-from deepinfer_jax.base.forward_batch import ForwardBatch, RowSpec, build_batch
+from deepinfer_jax.runner.engram_hash_device import window_partials
+from deepinfer_jax.base.forward_batch import ForwardBatch, pack_batch
 from deepinfer_jax.sampling.params import SamplingParams
 from deepinfer_jax.sampling.sampler import SampleRow, SamplingBatch, build_sampling_batch
 
@@ -60,85 +61,90 @@ def pick_bucket(n: int, buckets) -> int:
 
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
                      cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0) -> StepInput:
-    """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes."""
-    specs, prev = [], np.full(num_tokens, -1, np.int32)
+    """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes.
+
+    Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
+    once into arrays, the Engram hashes of every known token and the partial hashes of every
+    placeholder come from one call each over all rows' look-back windows."""
+    rows = sched.rows
+    nr = len(rows)
+    K = spec_slots
+    n_R = np.fromiter((r.num_tokens for r in rows), np.int64, nr)
+    total = int(n_R.sum())
+    off_R = np.zeros(nr, np.int64)
+    np.cumsum(n_R[:-1], out=off_R[1:])
+    start_R = np.fromiter((r.start for r in rows), np.int64, nr)
+    prev_R = np.fromiter((r.prev_row for r in rows), np.int64, nr)
+    sample_R = np.fromiter((r.sample for r in rows), bool, nr)
+    device_R = np.fromiter((K > 0 and r.spec_ctx is not None for r in rows), bool, nr)
+    tok_t = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int64, total)
+    row_of_t = np.repeat(np.arange(nr), n_R)
+    last_t = off_R + n_R - 1  # each row's last flat token
+
+    # placeholders: a row's last token was sampled by the previous step (device rows: all tokens)
+    ph_R = (prev_R >= 0) & ~device_R
+    prev = np.full(num_tokens, -1, np.int32)
+    prev[last_t[ph_R]] = prev_R[ph_R]
+    tok_t[last_t[ph_R]] = 0
+    tok_t[device_R[row_of_t]] = 0
+
     n_layers = hasher.n_layers if hasher is not None else 0
-    partials = None
+    partials = eids = None
     if hasher is not None:
         partials = np.zeros((num_tokens, n_layers, hasher.max_ngram_size - 1, 2), np.uint32)
-    targets = np.zeros(num_tokens, np.int32) if prompt_lp else None
-    logit_rows = []
-    plp_rows = np.full(num_tokens, -1, np.int64)
-    sample_rows = []
-    K = spec_slots
-    drafts = np.zeros((num_rows, K), np.int32) if K else None
-    n_drafts = np.zeros(num_rows, np.int32) if K else None
-    H = hasher.max_ngram_size - 1 if hasher is not None else 0
-    spec_prev = np.full(num_rows, -1, np.int32) if K else None
-    spec_ctx = np.full((num_rows, H + K), -1, np.int32) if K else None
-    o = 0
-    for i, r in enumerate(sched.rows):
-        n = r.num_tokens
-        toks = list(r.token_ids)
-        eids = None
-        device_row = K > 0 and r.spec_ctx is not None
-        if device_row:  # every token and its n-gram hash come from the previous step on the device
-            spec_prev[i] = r.prev_row
-            spec_ctx[i, :len(r.spec_ctx)] = r.spec_ctx
-            toks = [0] * n
-            if hasher is not None:
-                eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
-        elif hasher is not None:
-            # an n-gram hash looks back K-1 tokens: the row carries that window of the history
-            w0 = max(r.start - (hasher.max_ngram_size - 1), 0)
-            known = n - (1 if r.prev_row >= 0 else 0)
-            if r.history is None or len(r.history) != r.start + known - w0:
-                raise ValueError(f"row of request {r.request_id!r}: history holds "
-                                 f"{None if r.history is None else len(r.history)} tokens, Engram needs "
-                                 f"{r.start + known - w0} (Scheduler(history_tokens={hasher.max_ngram_size - 1}))")
-            hist = np.asarray(r.history, np.int64)
-            eids = np.zeros((n, n_layers, hasher.n_hash_cols), np.int64)
-            if known:
-                eids[:known] = hasher.hash_positions(hist, np.arange(r.start, r.start + known) - w0)
-            if r.prev_row >= 0:
-                partials[o + n - 1] = host_partials(hasher, hist, r.start + n - 1 - w0)[0]
-        if r.prev_row >= 0 and not device_row:
-            prev[o + n - 1] = r.prev_row
-            toks[-1] = 0
-        specs.append(RowSpec(toks, r.start, r.slot, r.blocks, eids, floor=r.floor, dec_floor=r.dec_floor,
-                             cache_start=r.cache_start))
-        if K:
-            l = r.num_drafts
-            if l > K:
-                raise ValueError(f"row of request {r.request_id!r}: {l} drafts > spec_slots={K}")
-            first = o + n - 1 - l
-            logit_rows += [first + min(j, l) if r.sample else -1 for j in range(K + 1)]
-            if l:
-                if not device_row:
-                    drafts[i, :l] = r.token_ids[n - l:]
-                n_drafts[i] = l
-        else:
-            logit_rows.append(o + n - 1 if r.sample else -1)
-        if prompt_lp and r.prompt_logprobs:
-            m = len(r.prompt_targets)  # tokens whose next token is in the prompt
-            plp_rows[o:o + m] = np.arange(o, o + m)
-            targets[o:o + m] = r.prompt_targets
-        if r.sample:
-            sample_rows.append((i, SampleRow(r.params, r.seed, r.sample_position, tuple(r.banned))))
-        o += n
-    logit_rows += [-1] * (num_rows * (K + 1) - len(logit_rows))
+        eids = _engram_ids(rows, hasher, n_R, start_R, ph_R, device_R, row_of_t, total, partials)
+
+    drafts = n_drafts = spec_prev = spec_ctx = None
+    if K:
+        nd_R = np.fromiter((r.num_drafts for r in rows), np.int64, nr)
+        if nr and nd_R.max() > K:
+            i = int(np.argmax(nd_R > K))
+            raise ValueError(f"row of request {rows[i].request_id!r}: {int(nd_R[i])} drafts > spec_slots={K}")
+        first_R = last_t - nd_R
+        j = np.arange(K + 1)
+        lr = np.where(sample_R[:, None], first_R[:, None] + np.minimum(j[None, :], nd_R[:, None]), -1)
+        logit_rows = np.full(num_rows * (K + 1), -1, np.int64)
+        logit_rows[:nr * (K + 1)] = lr.reshape(-1)
+        drafts = np.zeros((num_rows, K), np.int32)
+        has = (np.arange(K)[None, :] < nd_R[:, None]) & ~device_R[:, None]
+        src = np.minimum(first_R[:, None] + 1 + np.arange(K)[None, :], max(total - 1, 0))
+        drafts[:nr][has] = tok_t[src[has]]
+        n_drafts = np.zeros(num_rows, np.int32)
+        n_drafts[:nr] = nd_R
+        H = hasher.max_ngram_size - 1 if hasher is not None else 0
+        spec_prev = np.full(num_rows, -1, np.int32)
+        spec_ctx = np.full((num_rows, H + K), -1, np.int32)
+        for i in np.flatnonzero(device_R):
+            spec_prev[i] = rows[i].prev_row
+            spec_ctx[i, :len(rows[i].spec_ctx)] = rows[i].spec_ctx
+    else:
+        logit_rows = np.full(num_rows, -1, np.int64)
+        logit_rows[:nr] = np.where(sample_R, last_t, -1)
+
+    targets = None
     if prompt_lp:
-        logit_rows += [int(t) for t in plp_rows]
+        targets = np.zeros(num_tokens, np.int32)
+        plp_rows = np.full(num_tokens, -1, np.int64)
+        for i in (i for i, r in enumerate(rows) if r.prompt_logprobs):
+            o, m = int(off_R[i]), len(rows[i].prompt_targets)  # tokens whose next token is in the prompt
+            plp_rows[o:o + m] = np.arange(o, o + m)
+            targets[o:o + m] = rows[i].prompt_targets
+        logit_rows = np.concatenate([logit_rows, plp_rows])
     cc = cache_config
-    batch = build_batch(specs, num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq,
-                        num_slots=cc.num_slots, n_engram_layers=n_layers,
-                        n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
-                        logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens)
-    rows = [_PAD_ROW] * num_rows
-    for i, sr in sample_rows:
-        rows[i] = sr
-    longest = max((len(sr.banned) for _, sr in sample_rows), default=0)
-    sampling = build_sampling_batch(rows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
+    floor_R = np.fromiter((r.floor for r in rows), np.int64, nr)
+    batch = pack_batch(
+        tok_t, n_R, start_R, np.fromiter((r.slot for r in rows), np.int64, nr), [r.blocks for r in rows],
+        floor_R, np.maximum(floor_R, np.fromiter((r.dec_floor for r in rows), np.int64, nr)),
+        np.fromiter((r.cache_start for r in rows), np.int64, nr), engram_ids=eids,
+        num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq, num_slots=cc.num_slots,
+        n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
+        logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens)
+    srows = [_PAD_ROW] * num_rows
+    for i in np.flatnonzero(sample_R):
+        r = rows[i]
+        srows[i] = SampleRow(r.params, r.seed, r.sample_position, r.banned)
+    longest = max((len(r.banned) for r in rows), default=0)
+    sampling = build_sampling_batch(srows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
     allowed = None
@@ -153,3 +159,48 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         if not K:
             allowed = allowed[:, 0]
     return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx, allowed)
+
+
+def _engram_ids(rows, hasher, n_R, start_R, ph_R, device_R, row_of_t, total: int, partials_TLK2) -> np.ndarray:
+    """Engram table rows of every known token of the host-hashed rows ([total, layers, cols],
+    zeros elsewhere), and (into ``partials_TLK2``) the partial hashes of their placeholders.
+
+    A row's ``history`` holds the known tokens of positions ``[w0, start + known)``, ``w0 =
+    max(start - (K-1), 0)``: every look-back of its tokens. All rows' histories are
+    concatenated and each token's window ``[p, p-1, ..., p-K+1]`` gathered from there (-1 before
+    position 0)."""
+    Km1 = hasher.max_ngram_size - 1
+    nr = len(rows)
+    host_R = ~device_R
+    known_R = n_R - ph_R
+    w0_R = np.maximum(start_R - Km1, 0)
+    hist = [rows[i].history if host_R[i] else () for i in range(nr)]
+    hl_R = np.fromiter((len(h) if h is not None else -1 for h in hist), np.int64, nr)
+    bad = host_R & (hl_R != start_R + known_R - w0_R)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"row of request {rows[i].request_id!r}: history holds "
+                         f"{None if hist[i] is None else len(hist[i])} tokens, Engram needs "
+                         f"{int(start_R[i] + known_R[i] - w0_R[i])} (Scheduler(history_tokens={Km1}))")
+    hl_R = np.where(host_R, hl_R, 0)
+    hoff_R = np.zeros(nr, np.int64)
+    np.cumsum(hl_R[:-1], out=hoff_R[1:])
+    hist_flat = np.fromiter(itertools.chain.from_iterable(hist), np.int64, int(hl_R.sum()))
+    j_t = np.arange(total) - np.repeat(np.cumsum(n_R) - n_R, n_R)
+    pos_t = start_R[row_of_t] + j_t
+    src_tK = pos_t[:, None] - np.arange(Km1 + 1)[None, :]          # positions p - k
+    idx_tK = hoff_R[row_of_t][:, None] + src_tK - w0_R[row_of_t][:, None]
+    is_ph_t = np.zeros(total, bool)
+    is_ph_t[(np.cumsum(n_R) - 1)[ph_R]] = True
+    host_t = host_R[row_of_t]
+    known_t = host_t & ~is_ph_t
+    win_tK = np.full((total, Km1 + 1), -1, np.int64)
+    look = (src_tK >= 0) & (host_t[:, None])
+    look[is_ph_t, 0] = False  # the placeholder's own token is on the device
+    win_tK[look] = hist_flat[idx_tK[look]]
+    eids = np.zeros((total, hasher.n_layers, hasher.n_hash_cols), np.int64)
+    if known_t.any():
+        eids[known_t] = hasher.hash_windows(win_tK[known_t])
+    if is_ph_t.any():
+        partials_TLK2[:total][is_ph_t] = window_partials(hasher, win_tK[is_ph_t])
+    return eids

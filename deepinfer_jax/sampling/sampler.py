@@ -124,38 +124,51 @@ def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab
     to the longest banned list rounded up to a power of two (at least 1); fix it to avoid
     recompiles. ``params`` are assumed validated; greedy params (``is_greedy``) become
     ``temperature=0`` with the filters off, ``top_k >= vocab`` becomes 0."""
-    rows = [SampleRow(*r) for r in rows]
-    if len(rows) > num_rows:
-        raise ValueError(f"num_rows={num_rows} < {len(rows)} rows")
+    rows = [r if isinstance(r, SampleRow) else SampleRow(*r) for r in rows]
+    n = len(rows)
+    if n > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {n} rows")
     longest = max((len(r.banned) for r in rows), default=0)
     if num_banned is None:
         num_banned = 1 << max(0, longest - 1).bit_length()
     elif longest > num_banned:
         raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
 
+    # vectorised over rows (the engine builds this every step for up to max_num_seqs rows)
+    params = [r.params for r in rows]
+    greedy = np.fromiter((p.is_greedy for p in params), bool, n)
     temperature = np.zeros(num_rows, np.float32)
+    temperature[:n] = np.where(greedy, 0.0, np.fromiter((p.temperature for p in params), np.float64, n))
+    tk = np.fromiter((p.top_k for p in params), np.int64, n)
     top_k = np.zeros(num_rows, np.int32)
+    top_k[:n] = np.where(~greedy & (tk > 0) & (tk < vocab), tk, 0)
     top_p = np.ones(num_rows, np.float32)
+    top_p[:n] = np.where(greedy, 1.0, np.fromiter((p.top_p for p in params), np.float64, n))
     min_p = np.zeros(num_rows, np.float32)
+    min_p[:n] = np.where(greedy, 0.0, np.fromiter((p.min_p for p in params), np.float64, n))
+    seeds = [int(r.seed) for r in rows]
+    for s in seeds:
+        if not 0 <= s < SEED_LIMIT:
+            split_seed(s)  # raises, naming the seed
+    seed_R = np.fromiter(seeds, np.uint64, n)
     seed = np.zeros((num_rows, 2), np.uint32)
+    seed[:n, 0] = (seed_R >> np.uint64(32)).astype(np.uint32)
+    seed[:n, 1] = (seed_R & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    pos_R = np.fromiter((r.position for r in rows), np.int64, n)
+    out_of_range = (pos_R < 0) | (pos_R >= POSITION_LIMIT)
+    if out_of_range.any():
+        i = int(np.argmax(out_of_range))
+        raise ValueError(f"row {i}: position={rows[i].position!r} out of range [0, 2**31)")
     position = np.zeros(num_rows, np.int32)
+    position[:n] = pos_R
     banned = np.full((num_rows, num_banned), -1, np.int32)
     for i, r in enumerate(rows):
-        p = r.params
-        seed[i] = split_seed(int(r.seed))
-        if not 0 <= r.position < POSITION_LIMIT:
-            raise ValueError(f"row {i}: position={r.position!r} out of range [0, 2**31)")
-        position[i] = r.position
+        if not r.banned:
+            continue
         bad = [t for t in r.banned if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"row {i}: banned token ids {bad} out of range [0, {vocab})")
         banned[i, :len(r.banned)] = r.banned
-        if p.is_greedy:
-            continue  # temperature 0, filters off
-        temperature[i] = p.temperature
-        top_k[i] = p.top_k if 0 < p.top_k < vocab else 0
-        top_p[i] = p.top_p
-        min_p[i] = p.min_p
     sampled = temperature >= SAMPLING_EPS
     needs_filter = bool(np.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))))
     return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
