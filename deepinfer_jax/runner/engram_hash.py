@@ -172,6 +172,11 @@ class EngramHasher:
         """Hash ids from look-back windows, many positions (of any requests) in one call:
         ``window_nK[i, k]`` is the token id at ``p_i - k`` (k = 0..K-1), or -1 where ``p_i - k < 0``
         (the pad id). Same output as :meth:`hash_positions` (which has dead-token support)."""
+        return self._hash_compressed(self.compress_windows(window_nK))
+
+    def compress_windows(self, window_nK: np.ndarray) -> np.ndarray:
+        """Look-back windows (token ids, -1 before position 0) -> compressed ids with the pad id,
+        int64 ``[n, K]``; checks the shape and the id range."""
         w = np.asarray(window_nK, np.int64)
         if w.ndim != 2 or w.shape[1] != self.max_ngram_size:
             raise ValueError(f"window_nK must have shape [n, {self.max_ngram_size}], got {w.shape}")
@@ -179,8 +184,7 @@ class EngramHasher:
         if w.size and (w.min() < -1 or w.max() >= vocab):
             raise ValueError(f"window token ids must lie in [0, {vocab}) or be -1, got range "
                              f"[{int(w.min())}, {int(w.max())}]")
-        t = np.where(w >= 0, self.token_map[np.maximum(w, 0)], np.int64(self.pad_id))
-        return self._hash_compressed(t)
+        return np.where(w >= 0, self.token_map[np.maximum(w, 0)], np.int64(self.pad_id))
 
     def _hash_compressed(self, t_nK: np.ndarray) -> np.ndarray:
         # [n, L, K]; no overflow: t < compressed size, multiplier < int64_max // compressed size.

@@ -111,13 +111,7 @@ def window_partials(hasher: EngramHasher, window_nK: np.ndarray) -> np.ndarray:
     """:func:`host_partials` from look-back windows, many positions in one call: ``window_nK[i, k]``
     is the token id at ``p_i - k`` or -1 before position 0 (column 0, the unknown token, is
     ignored). Returns uint32 ``[n, n_layers, K-1, 2]``."""
-    w = np.asarray(window_nK, np.int64)[:, 1:]
-    vocab = hasher.token_map.shape[0]
-    if w.size and (w.min() < -1 or w.max() >= vocab):
-        raise ValueError(f"window token ids must lie in [0, {vocab}) or be -1, got range "
-                         f"[{int(w.min())}, {int(w.max())}]")
-    return _partials_compressed(hasher, np.where(w >= 0, hasher.token_map[np.maximum(w, 0)],
-                                                 np.int64(hasher.pad_id)))
+    return _partials_compressed(hasher, hasher.compress_windows(window_nK)[:, 1:])
 
 
 def _partials_compressed(hasher: EngramHasher, t_nK1: np.ndarray) -> np.ndarray:

@@ -36,10 +36,9 @@ from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_b
 from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
 
 
-def _step_impl(graphdef, state_treedef, state_leaves, cache, inp_bufs, prev_sampled_R, engram_tables, *,
-               layout: PackedLayout, num_logprobs: int, prompt_lp: bool, kernels: str, batch_invariant: bool = False):
+def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
+               num_logprobs: int, prompt_lp: bool, kernels: str, batch_invariant: bool = False):
     # ops pick kernels and numerics at trace time; ``kernels`` and ``batch_invariant`` key the compile cache
-    inp: StepInput = unpack(inp_bufs, layout)
     with ops.use_backend(kernels), bi.use(batch_invariant):
         return _step_body(graphdef, state_treedef, state_leaves, cache, inp, prev_sampled_R, engram_tables,
                           num_logprobs, prompt_lp)
@@ -65,10 +64,10 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     return cache, out, plp, sampled_full
 
 
-def _packed_spec_step(graphdef, state_treedef, state_leaves, cache, inp_bufs, carry, engram_tables, *,
-                      layout: PackedLayout, **kw):
-    return spec_step_impl(graphdef, state_treedef, state_leaves, cache, unpack(inp_bufs, layout), carry,
-                          engram_tables, **kw)
+def _with_packed_input(impl, graphdef, state_treedef, state_leaves, cache, inp_bufs, *args,
+                       layout: PackedLayout, **kw):
+    """``impl`` with its ``StepInput`` rebuilt from the packed buffers (runner/packed_input.py)."""
+    return impl(graphdef, state_treedef, state_leaves, cache, unpack(inp_bufs, layout), *args, **kw)
 
 
 _STEP_FNS: dict = {}
@@ -87,12 +86,12 @@ def step_function(graphdef, state_treedef, spec: bool = False, batch_invariant: 
     if fn is None:
         opts = bi.compiler_options(jax.default_backend()) if batch_invariant else None
         if spec:  # runner/spec_step.py: verify, roll back, draft
-            fn = jax.jit(functools.partial(_packed_spec_step, graphdef, state_treedef),
+            fn = jax.jit(functools.partial(_with_packed_input, spec_step_impl, graphdef, state_treedef),
                          static_argnames=("layout", "num_logprobs", "prompt_lp", "kernels", "spec_slots", "rule", "force_accept",
                                           "batch_invariant"),
                          donate_argnames=("cache",), compiler_options=opts)
         else:
-            fn = jax.jit(functools.partial(_step_impl, graphdef, state_treedef),
+            fn = jax.jit(functools.partial(_with_packed_input, _step_impl, graphdef, state_treedef),
                          static_argnames=("layout", "num_logprobs", "prompt_lp", "kernels", "batch_invariant"),
                          donate_argnames=("cache",), compiler_options=opts)
         _STEP_FNS[key] = fn
@@ -124,7 +123,7 @@ class StepHandle:
         self.host_time = 0.0  # the engine's planning + input building + dispatch time
         self.schedule_time = 0.0  # the engine's planning (set by the engine)
         self.inputs_time = 0.0    # build_step_input
-        self.call_time = 0.0      # the jitted call (t_dispatch is its end)
+        self.call_time = 0.0      # the jitted call (it starts at t_dispatch)
         for a in jax.tree.leaves((out, plp)):
             a.copy_to_host_async()
 

@@ -18,30 +18,26 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
     treedef: object                                    # the pytree structure (None leaves included)
-    dtypes: tuple[str, ...]                            # one buffer per dtype, in this order
     leaves: tuple[tuple[int, int, tuple[int, ...]], ...]  # per leaf: (buffer, offset, shape)
 
 
 def pack(tree) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
     """Host arrays of ``tree`` -> (one flat buffer per dtype, the layout to rebuild it)."""
     leaves, treedef = jax.tree.flatten(tree)
-    arrays = [np.asarray(x) for x in leaves]
-    dtypes: list[str] = []
+    buffer_of: dict[str, int] = {}     # dtype -> buffer index, in order of first appearance
     parts: list[list[np.ndarray]] = []
     sizes: list[int] = []
     where = []
-    for a in arrays:
-        key = a.dtype.str
-        if key not in dtypes:
-            dtypes.append(key)
+    for a in (np.asarray(x) for x in leaves):
+        b = buffer_of.setdefault(a.dtype.str, len(parts))
+        if b == len(parts):
             parts.append([])
             sizes.append(0)
-        b = dtypes.index(key)
         where.append((b, sizes[b], a.shape))
         parts[b].append(a.reshape(-1))
         sizes[b] += a.size
     bufs = tuple(np.concatenate(p) if len(p) > 1 else p[0].copy() for p in parts)
-    return bufs, PackedLayout(treedef, tuple(dtypes), tuple(where))
+    return bufs, PackedLayout(treedef, tuple(where))
 
 
 def unpack(bufs, layout: PackedLayout):

@@ -92,7 +92,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     partials = eids = None
     if hasher is not None:
         partials = np.zeros((num_tokens, n_layers, hasher.max_ngram_size - 1, 2), np.uint32)
-        eids = _engram_ids(rows, hasher, n_R, start_R, ph_R, device_R, row_of_t, total, partials)
+        eids = _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials)
 
     drafts = n_drafts = spec_prev = spec_ctx = None
     if K:
@@ -161,7 +161,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx, allowed)
 
 
-def _engram_ids(rows, hasher, n_R, start_R, ph_R, device_R, row_of_t, total: int, partials_TLK2) -> np.ndarray:
+def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2) -> np.ndarray:
     """Engram table rows of every known token of the host-hashed rows ([total, layers, cols],
     zeros elsewhere), and (into ``partials_TLK2``) the partial hashes of their placeholders.
 
@@ -186,12 +186,12 @@ def _engram_ids(rows, hasher, n_R, start_R, ph_R, device_R, row_of_t, total: int
     hoff_R = np.zeros(nr, np.int64)
     np.cumsum(hl_R[:-1], out=hoff_R[1:])
     hist_flat = np.fromiter(itertools.chain.from_iterable(hist), np.int64, int(hl_R.sum()))
-    j_t = np.arange(total) - np.repeat(np.cumsum(n_R) - n_R, n_R)
-    pos_t = start_R[row_of_t] + j_t
+    total = row_of_t.shape[0]
+    pos_t = start_R[row_of_t] + np.arange(total) - off_R[row_of_t]
     src_tK = pos_t[:, None] - np.arange(Km1 + 1)[None, :]          # positions p - k
     idx_tK = hoff_R[row_of_t][:, None] + src_tK - w0_R[row_of_t][:, None]
     is_ph_t = np.zeros(total, bool)
-    is_ph_t[(np.cumsum(n_R) - 1)[ph_R]] = True
+    is_ph_t[last_t[ph_R]] = True
     host_t = host_R[row_of_t]
     known_t = host_t & ~is_ph_t
     win_tK = np.full((total, Km1 + 1), -1, np.int64)
