@@ -15,6 +15,10 @@ tokens are ``B`` whole sequences of ``L`` tokens from position 0 (training): the
 ``sparse_attention`` and ``indexer_scores_pool`` then take their dense per-row forms
 (``full_rows_ref.py``: no per-token key copies, no scatter-add gradients).
 
+``$DEEPINFER_KERNELS_OFF`` (or ``set_disabled``): a comma-separated list of op names (``OPS``)
+whose references run even where a kernel is registered: to take one kernel out of a comparison,
+or to rule it out when numbers look wrong.
+
 A kernel that cannot take a call (a non-SM90 GPU, operands on several devices without a context
 mesh, a shape it does not tile) runs the reference and says so: ``note_fallback`` logs each
 (op, reason) once and counts it per trace (``fallback_counts``, shown in the engine's stats).
@@ -32,21 +36,23 @@ import warnings
 from typing import Callable
 
 from deepinfer_jax.base import batch_invariant as bi
-from deepinfer_jax.kernels_pallas import full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
+from deepinfer_jax.kernels_pallas import f32_matmul_ref, full_rows_ref, indexer_topk_ref, moe_gmm_ref, sinkhorn_ref, sparse_attention_ref
 
 BACKENDS = ("auto", "reference", "ffi")
+OPS = ("sparse_attention", "indexer_scores", "indexer_scores_pool", "topk_positions", "candidate_blocks",
+       "sinkhorn_iterate", "f32_matmul", "moe_experts")
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
+_DISABLED: str | frozenset[str] = os.environ.get("DEEPINFER_KERNELS_OFF", "")  # checked on first use
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepinfer_kernels", default=None)
 _FULL_ROWS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("deepinfer_full_rows", default=None)
 _FALLBACKS: collections.Counter = collections.Counter()  # (op, reason) -> traced calls
 _log = logging.getLogger("deepinfer_jax.kernels")
 _KERNELS: dict[tuple[str, str], Callable] = {}  # (op, platform) -> implementation
 # Kernel modules imported on first use on their platform; each registers its ops on import.
-# (kernels_pallas/sinkhorn.py is not listed: with it on, the golden tiny_bf16 prefill's greedy
-# tokens agree on 18 of 21 rows, under test_golden's 0.9; see its docstring.)
 _KERNEL_MODULES: dict[str, tuple[str, ...]] = {
     "gpu": ("deepinfer_jax.kernels_pallas.sparse_attention", "deepinfer_jax.kernels_pallas.indexer_topk",
-            "deepinfer_jax.kernels_pallas.moe_gmm"),
+            "deepinfer_jax.kernels_pallas.moe_gmm", "deepinfer_jax.kernels_pallas.sinkhorn",
+            "deepinfer_jax.kernels_pallas.f32_matmul_bf16x3"),
 }
 # kernels="ffi": the op table of kernels_ascend (a sibling room, imported by name on first use)
 _FFI_MODULE = "deepinfer_jax.kernels_ascend.kernels"
@@ -83,6 +89,30 @@ def set_backend(name: str) -> None:
     ``reference`` or ``ffi`` (the kernels_ascend custom calls). Code traced inside ``use_backend`` is not affected."""
     global _BACKEND
     _BACKEND = _checked(name)
+
+
+def set_disabled(names) -> None:
+    """Ops (names from ``OPS``) that run their references whatever the backend; replaces
+    ``$DEEPINFER_KERNELS_OFF``. Takes effect in steps traced afterwards."""
+    global _DISABLED
+    _DISABLED = _checked_ops(names, "set_disabled")
+
+
+def _checked_ops(names, where: str) -> frozenset[str]:
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    names = frozenset(n for n in names if n)
+    unknown = sorted(names - set(OPS))
+    if unknown:
+        raise ValueError(f"{where}: unknown op(s) {unknown}; expected names from {OPS}")
+    return names
+
+
+def disabled_ops() -> frozenset[str]:
+    global _DISABLED
+    if isinstance(_DISABLED, str):
+        _DISABLED = _checked_ops(_DISABLED, "DEEPINFER_KERNELS_OFF")
+    return _DISABLED
 
 
 @contextlib.contextmanager
@@ -131,7 +161,9 @@ def _ffi_pick(op: str, ref: Callable, platform: str) -> Callable:
     if not ffi.supports(platform):
         note_fallback(op, f"no ffi custom-call targets for platform {platform} (cpu and Ascend only)")
         return ref
-    fn = ffi.kernels_for(platform)[op]  # raises FfiUnavailable with what to install
+    fn = ffi.kernels_for(platform).get(op)  # raises FfiUnavailable with what to install
+    if fn is None:  # an op with no custom call (f32_matmul: XLA's own GEMM is the target's)
+        return ref
     return _experts_parallel(fn) if op == "moe_experts" else fn
 
 
@@ -150,7 +182,7 @@ def _experts_parallel(local_fn: Callable) -> Callable:
 
 def _pick(op: str, ref: Callable) -> Callable:
     backend = current_backend()
-    if backend == "reference":
+    if backend == "reference" or op in disabled_ops():
         return ref
     import jax
 
@@ -209,6 +241,11 @@ def topk_positions(score_TN, k: int):
 def sinkhorn_iterate(comb_TCC, n: int, eps: float):
     """``n`` mHC Sinkhorn steps (row then column normalisation) on fp32 ``[T, C, C]``."""
     return _pick("sinkhorn_iterate", sinkhorn_ref.sinkhorn_iterate_ref)(comb_TCC, n, eps)
+
+
+def f32_matmul(x_TK, w_KN):
+    """Full-precision fp32 ``x @ w`` (the fp32 layers: LM head, DSpark head, routers)."""
+    return _pick("f32_matmul", f32_matmul_ref.f32_matmul_ref)(x_TK, w_KN)
 
 
 def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):

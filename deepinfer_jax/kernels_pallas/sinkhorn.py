@@ -2,22 +2,14 @@
 
 Why: the reference (``sinkhorn_ref``) is a ``fori_loop`` of 19 steps on a tiny ``[T, 4, 4]``
 array; XLA runs it as a GPU while loop, whose iterations each cost far more than their
-arithmetic. Measured on an H200 (``scripts/kernel_bench/step_glue_probe.py``, 2026-11-29): 420 us
-per ``sinkhorn_split`` call at T = 64 (~22 us an iteration), and a V4.1 step makes two calls per
-layer: at the e2e bench's 6-layer slice that is ~5 ms of the 12.5 ms decode step. Here the whole
-loop runs in registers: one program per ``block_t`` tokens, the same jnp step (row sums, then
-column sums, each over 4 entries) inside an ``scf.for``.
+arithmetic (an H200 measured ~22 us an iteration, two calls per layer). Here the whole loop runs
+in registers: one program per ``block_t`` tokens, inside one ``scf.for``.
 
-Numerics: the same operations as the reference; the sums over 4 entries may add in another
-order than XLA's reduction (fp32, one ulp), nothing else differs. Interpret mode runs the
-reference's arithmetic exactly.
-
-Status: its device tests (``tests/test_sinkhorn_kernel.py -m device``) pass on an H200, but it
-is **not loaded by default**: with it on, ``tests/test_golden.py`` on the GPU fails one check
-(tiny_bf16 prefill: greedy tokens agree with the reference on 18 of 21 rows, the test wants 0.9;
-the logits stay inside their bounds): the reordered 4-entry sums move near-tied argmaxes of the
-random-weight model. ``register()`` turns it on for the process (importing does not). Inside the kernel the step must stay the plain jnp
-step: batch-invariant mode's tree sums (slices) have no Triton lowering.
+Layout: the wrapper hands the kernel ``[C*C, T]`` (entry-major), so the program holds each of
+the ``C*C`` entries as one vector over its tokens and every step is elementwise arithmetic on
+those vectors: the reference's own ``sinkhorn_ref.step`` (sums left to right, true divisions,
+compiled as PTX ``div.rn.f32``: Triton's ``/`` is approximate). The kernel therefore computes the
+reference's bits (tests compare with ``assert_array_equal``), in interpret mode and compiled.
 """
 
 from __future__ import annotations
@@ -33,9 +25,22 @@ from jax.experimental.pallas import triton as plgpu
 from deepinfer_jax.kernels_pallas import sinkhorn_ref
 
 
-def _kernel(c_ref, o_ref, *, n: int, eps: float):
-    c = c_ref[...]
-    o_ref[...] = lax.fori_loop(0, n, lambda _, x: sinkhorn_ref.sinkhorn_step(x, eps), c)
+def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """IEEE fp32 division, rounded to nearest (PTX ``div.rn.f32``), as XLA divides; Triton's own
+    fp32 ``/`` is the approximate ``div.full.f32`` (up to 2 ulp off)."""
+    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _kernel(c_ref, o_ref, *, n: int, C: int, eps: float, interpret: bool):
+    v = tuple(c_ref[k] for k in range(C * C))
+    # interpreted, the body is XLA HLO: the reference's barriers and XLA's division; compiled,
+    # Triton does not rewrite divisions, and divides with div.rn
+    body = (lambda _, x: sinkhorn_ref.step(x, C, eps)) if interpret else \
+        (lambda _, x: sinkhorn_ref.step(x, C, eps, barrier=False, div=_div_rn))
+    v = lax.fori_loop(0, n, body, v)
+    for k in range(C * C):
+        o_ref[k] = v[k]
 
 
 def supported(comb_TCC: jax.Array) -> bool:
@@ -55,20 +60,21 @@ def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, interpret: bool
         return c
     bt = block_t or min(128, 1 << max(0, (T - 1).bit_length()))
     Tp = -(-T // bt) * bt
-    if Tp != T:  # padded rows of ones: finite, discarded
-        c = jnp.concatenate([c, jnp.ones((Tp - T, C, C), jnp.float32)])
-    spec = pl.BlockSpec((bt, C, C), lambda i: (i, 0, 0))
+    e = c.reshape(T, C * C).T  # [C*C, T]: one row per entry
+    if Tp != T:  # padded tokens of ones: finite, discarded
+        e = jnp.concatenate([e, jnp.ones((C * C, Tp - T), jnp.float32)], axis=1)
+    spec = pl.BlockSpec((C * C, bt), lambda i: (0, i))
     out = pl.pallas_call(
-        functools.partial(_kernel, n=int(n), eps=float(eps)),
+        functools.partial(_kernel, n=int(n), C=C, eps=float(eps), interpret=bool(interpret)),
         grid=(Tp // bt,),
         in_specs=[spec],
         out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct((Tp, C, C), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((C * C, Tp), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mhc_sinkhorn",
-    )(c)
-    return out[:T]
+    )(e)
+    return out[:, :T].T.reshape(T, C, C)
 
 
 def sinkhorn_iterate_op(comb_TCC: jax.Array, n: int, eps: float) -> jax.Array:
@@ -84,3 +90,6 @@ def register() -> None:
     from deepinfer_jax.kernels_pallas import ops
 
     ops.register_kernel("sinkhorn_iterate", "gpu", sinkhorn_iterate_op)
+
+
+register()

@@ -22,6 +22,7 @@ from flax import nnx
 
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
+from deepinfer_jax.kernels_pallas import ops
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -33,8 +34,9 @@ def matmul_bf16(x: jax.Array, w_T: jax.Array) -> jax.Array:
 
 
 def matmul_f32(x: jax.Array, w_T: jax.Array) -> jax.Array:
-    """Full-precision fp32 product (no TF32 / bf16 passes on any backend)."""
-    return bi.matmul(x.astype(jnp.float32), w_T.astype(jnp.float32), precision=HIGHEST)
+    """Full-precision fp32 product (no TF32 / bf16 passes on any backend; ``ops.f32_matmul``:
+    on the GPU a bf16 weight is read as stored, see ``kernels_pallas/f32_matmul_bf16x3.py``)."""
+    return ops.f32_matmul(x, w_T)
 
 
 def _storage(fmt: str, out_features: int, in_features: int, block: int = 32):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deepinfer_jax.base import batch_invariant as bi
-from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.kernels_pallas import ops, sinkhorn_ref
 from deepinfer_jax.layers.linear import HIGHEST
 
 
@@ -29,8 +29,12 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = comb / bi.row_sum(comb, axis=-1, keepdims=True) + eps
-    comb = comb / (bi.row_sum(comb, axis=-2, keepdims=True) + eps)
+    # the first step on the entry vectors, as the iterations (sinkhorn_ref: the sums' order, true division)
+    lead = comb.shape[:-2]
+    v = sinkhorn_ref.entries(comb.reshape(-1, hc, hc))
+    v = sinkhorn_ref.normalise_rows(v, hc, eps, eps_after=True)
+    v = sinkhorn_ref.exact(sinkhorn_ref.normalise_cols(sinkhorn_ref.exact(v), hc, eps))
+    comb = sinkhorn_ref.from_entries(v, hc).reshape(*lead, hc, hc)
 
     comb = (iterate or ops.sinkhorn_iterate)(comb, iters - 1, eps)  # kernels_pallas/sinkhorn_ref.py
     return pre, post, comb
