@@ -8,9 +8,12 @@ Decode: ``--decode-requests`` rows of one token each at position ``--context - 1
 with random values: the work per step is what is timed, not the text). Prefill: one row of
 ``--prefill-tokens`` fresh tokens. Each case is compiled once per backend, then timed as the
 median of ``--iters`` steps; the table gives the kernels-on/off ratio measured in the same run.
+``--backends auto,auto-without=sinkhorn_iterate+f32_matmul`` measures what given kernels add;
+``--compile-cache DIR`` adds each step's compile time from a warm persistent compilation cache.
 
     python scripts/bench_e2e.py                         # on the GPU; writes benchmarks/results/e2e_<device>.json
     python scripts/bench_e2e.py --small --context 256 --prefill-tokens 64 --decode-requests 4   # CPU smoke run
+    python scripts/bench_e2e.py --backends auto,auto-without=f32_matmul --compile-cache /tmp/jaxcache
 
 Routing: every token picks ``num_experts_per_tok`` of the ``--experts`` local experts, so a step
 routes more rows per expert than a real EP rank (which sees about T*6/48 rows for 8 of 384
@@ -116,10 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="decode,prefill", help="comma-separated subset of decode,prefill")
     ap.add_argument("--model-dir", default=None,
                     help="load this checkpoint instead of drawing random weights on the device")
+    ap.add_argument("--backends", default="reference,auto",
+                    help="comma-separated: reference, auto, or auto-without=OP+OP (the kernels on but "
+                         "those ops on their references; names from kernels_pallas.ops.OPS)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="JAX's persistent compilation cache in DIR; each case is then compiled a "
+                         "second time after jax.clear_caches() (warm_compile_s: a restart's compile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     import jax
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     import numpy as np
     from flax import nnx
 
@@ -174,9 +186,14 @@ def main(argv=None) -> int:
     if not wanted or any(c not in makers for c in wanted):
         raise SystemExit(f"--cases {args.cases!r}: expected a comma-separated subset of {tuple(makers)}")
     cases = {c: makers[c]() for c in wanted}
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ("reference", "auto") and not b.startswith("auto-without="):
+            raise SystemExit(f"--backends: {b!r}: expected reference, auto or auto-without=OP+OP")
     table = []
-    for backend in ("reference", "auto"):
-        ops.set_backend(backend)
+    for backend in backends:
+        ops.set_backend("reference" if backend == "reference" else "auto")
+        ops.set_disabled(backend.partition("=")[2].split("+") if "=" in backend else ())
 
         def fwd(leaves_, cache_, batch_):  # a new function per backend: ops choose at trace time
             m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves_))
@@ -198,14 +215,27 @@ def main(argv=None) -> int:
             row = {"case": case, "backend": backend, "tokens": int(batch.num_tokens),
                    "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                    "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all())}
+            # loops left in the step's program (each XLA while loop runs its body as separate launches)
+            row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
+            if args.compile_cache:  # trace, lower and load from the disk cache, as a restarted process would
+                jax.clear_caches()
+                t_c = time.perf_counter()
+                cache, lg = step(leaves, cache, batch)
+                jax.block_until_ready(lg)
+                row["warm_compile_s"] = time.perf_counter() - t_c
             table.append(row)
+            warm = f", warm {row['warm_compile_s']:.1f}s" if "warm_compile_s" in row else ""
             print(f"{case:8} {backend:9} {row['tokens']:6d} tok  median {row['median_ms']:9.2f} ms  "
-                  f"min {row['min_ms']:9.2f} ms  (compile {compile_s:.1f}s, finite logits {row['finite']})")
+                  f"min {row['min_ms']:9.2f} ms  (compile {compile_s:.1f}s{warm}, finite logits {row['finite']}, "
+                  f"{row['while_loops']} while loops)",
+                  flush=True)
+    ops.set_disabled(())
     for case in cases:
-        ref = next(r for r in table if r["case"] == case and r["backend"] == "reference")
-        ker = next(r for r in table if r["case"] == case and r["backend"] == "auto")
-        ker["speedup_vs_reference"] = ref["median_ms"] / ker["median_ms"]
-        print(f"{case}: kernels on / off = {ker['speedup_vs_reference']:.2f}x faster")
+        ref = next((r for r in table if r["case"] == case and r["backend"] == "reference"), None)
+        for ker in (r for r in table if r["case"] == case and r["backend"] != "reference"):
+            if ref is not None:
+                ker["speedup_vs_reference"] = ref["median_ms"] / ker["median_ms"]
+                print(f"{case}: {ker['backend']} / reference = {ker['speedup_vs_reference']:.2f}x faster")
     device = jax.devices()[0].device_kind
     out = args.out or os.path.join("benchmarks", "results", f"e2e_{device.replace(' ', '_')}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

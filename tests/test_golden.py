@@ -43,6 +43,10 @@ LOGIT_MEAN = 0.03
 DSPARK_MEAN = 0.06  # draft logits carry the Markov bias on top: README's own noise there is 0.08 max
 DSPARK_MAX = 1.0
 CONF_MAX = 0.3
+# A draft token may differ from the reference's only where the reference itself nearly ties:
+# its top-two logits closer than this (about twice DSPARK_MEAN, the drafts' mean logit error;
+# the golden drafts have margins from 0.01 up, and flips are seen at 0.01-0.04).
+DRAFT_NEAR_TIE = 0.12
 
 
 @pytest.fixture(scope="module", params=CLEAN)
@@ -172,7 +176,14 @@ def test_dspark_drafts(run):
     np.testing.assert_array_equal(r["dspark_ids"][:, 0], g["dspark_output_ids"][0, :, 0])
     ref = g["dspark_logits"][0]
     check_logits(r["dspark_logits"], ref, DSPARK_MAX, "dspark logits", DSPARK_MEAN)
-    assert (r["dspark_ids"][:, 1:] == g["dspark_output_ids"][0, :, 1:]).mean() >= 0.9
+    ours, want = r["dspark_ids"][:, 1:], g["dspark_output_ids"][0, :, 1:]
+    np.testing.assert_array_equal(ours, r["dspark_logits"].argmax(-1))
+    top2 = np.sort(ref, axis=-1)[..., -2:]
+    near_tie = top2[..., 1] - top2[..., 0] < DRAFT_NEAR_TIE
+    differ = ours != want
+    assert not (differ & ~near_tie).any(), \
+        f"draft tokens differ where the reference is decisive: (step, position) {np.argwhere(differ & ~near_tie).tolist()}"
+    assert differ.mean() <= 0.2, f"{differ.sum()} of {differ.size} draft tokens differ"
     d = np.abs(r["dspark_confidence"] - g["dspark_confidence"][0])
     assert d.max() <= CONF_MAX, f"confidence max |diff| {d.max():.4g}"
 

@@ -61,6 +61,23 @@ def test_use_backend_is_scoped():
             pass
 
 
+def test_a_disabled_op_runs_its_reference(counting_cpu_kernel, monkeypatch):
+    """``DEEPINFER_KERNELS_OFF`` / ``set_disabled`` take one op's kernel out; a misspelt op name
+    is an error naming it, not a silent no-op."""
+    comb = jnp.ones((2, 4, 4), jnp.float32)
+    monkeypatch.setattr(ops, "_DISABLED", "moe_experts, sinkhorn_iterate")  # as read from the env
+    ops.sinkhorn_iterate(comb, 3, 1e-6)
+    assert counting_cpu_kernel == []
+    ops.set_disabled(["moe_experts"])
+    ops.sinkhorn_iterate(comb, 3, 1e-6)
+    assert counting_cpu_kernel == [(2, 4, 4)]
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['sinkhorn'\]"):
+        ops.set_disabled("sinkhorn")
+    monkeypatch.setattr(ops, "_DISABLED", "f32matmul")
+    with pytest.raises(ValueError, match="DEEPINFER_KERNELS_OFF.*'f32matmul'"):
+        ops.sinkhorn_iterate(comb, 3, 1e-6)
+
+
 def test_fallback_is_logged_once_and_counted(caplog, monkeypatch):
     monkeypatch.setattr(ops, "_FALLBACKS", type(ops._FALLBACKS)())
     with caplog.at_level(logging.WARNING, logger="deepinfer_jax.kernels"):

@@ -74,7 +74,9 @@ def main(argv=None) -> int:
     print(f"{'tokens':>6}  {'implementation':<34} {'mismatched':>12} {'max ulp':>8}")
     for r in rows:
         print(f"{r['tokens']:>6}  {r['impl']:<34} {r['mismatched']:>6}/{r['entries']:<5} {r['max_ulp']:>8}")
-    meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, backend=backend, steps=args.steps)
+    import datetime
+
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=str(jax.devices()[0].device_kind), jax=jax.__version__, backend=backend, steps=args.steps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
