@@ -127,6 +127,8 @@ def main(argv=None) -> int:
                          "second time after jax.clear_caches() (warm_compile_s: a restart's compile)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    # XLA_FLAGS of the run go into the JSON (command-buffer experiments set them per process)
+    args.xla_flags = os.environ.get("XLA_FLAGS", "")
 
     import jax
     if args.compile_cache:
@@ -186,6 +188,16 @@ def main(argv=None) -> int:
     if not wanted or any(c not in makers for c in wanted):
         raise SystemExit(f"--cases {args.cases!r}: expected a comma-separated subset of {tuple(makers)}")
     cases = {c: makers[c]() for c in wanted}
+    device = jax.devices()[0].device_kind
+    out = args.out or os.path.join("benchmarks", "results", f"e2e_{device.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    def save():  # after every row too: a run cut short by a time limit keeps what it measured
+        with open(out, "w") as f:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "device": device, "jax": jax.__version__, "args": vars(args),
+                       "config": cfg.to_hf_dict(), "table": table}, f, indent=1, default=str)
+
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("reference", "auto") and not b.startswith("auto-without="):
@@ -206,14 +218,16 @@ def main(argv=None) -> int:
             cache, lg = step(leaves, cache, batch)
             jax.block_until_ready(lg)
             compile_s = time.perf_counter() - t_c
-            times = []
+            times, dispatch = [], []
             for _ in range(args.iters):
                 t = time.perf_counter()
                 cache, lg = step(leaves, cache, batch)
+                dispatch.append(time.perf_counter() - t)  # the host's share: the call returns once launched
                 jax.block_until_ready(lg)
                 times.append(time.perf_counter() - t)
             row = {"case": case, "backend": backend, "tokens": int(batch.num_tokens),
                    "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                   "dispatch_ms": 1e3 * statistics.median(dispatch),
                    "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all())}
             # loops left in the step's program (each XLA while loop runs its body as separate launches)
             row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
@@ -224,9 +238,10 @@ def main(argv=None) -> int:
                 jax.block_until_ready(lg)
                 row["warm_compile_s"] = time.perf_counter() - t_c
             table.append(row)
+            save()
             warm = f", warm {row['warm_compile_s']:.1f}s" if "warm_compile_s" in row else ""
             print(f"{case:8} {backend:9} {row['tokens']:6d} tok  median {row['median_ms']:9.2f} ms  "
-                  f"min {row['min_ms']:9.2f} ms  (compile {compile_s:.1f}s{warm}, finite logits {row['finite']}, "
+                  f"min {row['min_ms']:9.2f} ms  dispatch {row['dispatch_ms']:7.2f} ms  (compile {compile_s:.1f}s{warm}, finite logits {row['finite']}, "
                   f"{row['while_loops']} while loops)",
                   flush=True)
     ops.set_disabled(())
@@ -236,13 +251,7 @@ def main(argv=None) -> int:
             if ref is not None:
                 ker["speedup_vs_reference"] = ref["median_ms"] / ker["median_ms"]
                 print(f"{case}: {ker['backend']} / reference = {ker['speedup_vs_reference']:.2f}x faster")
-    device = jax.devices()[0].device_kind
-    out = args.out or os.path.join("benchmarks", "results", f"e2e_{device.replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "device": device, "jax": jax.__version__, "args": vars(args),
-                   "config": cfg.to_hf_dict(), "table": table}, f, indent=1, default=str)
+    save()
     print(f"wrote {out}")
     return 0
 
