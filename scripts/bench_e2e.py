@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every entry, whatever its size
     import numpy as np
     from flax import nnx
 
@@ -232,6 +233,9 @@ def main(argv=None) -> int:
             # loops left in the step's program (each XLA while loop runs its body as separate launches)
             row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
             if args.compile_cache:  # trace, lower and load from the disk cache, as a restarted process would
+                # entries written so far: a warm compile as slow as the cold one with entries here
+                # is a cache miss or work the cache does not hold (kernels compiled at load)
+                row["cache_entries"] = len(os.listdir(args.compile_cache)) if os.path.isdir(args.compile_cache) else 0
                 jax.clear_caches()
                 t_c = time.perf_counter()
                 cache, lg = step(leaves, cache, batch)
