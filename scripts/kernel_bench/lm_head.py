@@ -21,31 +21,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernel_bench
 
-
-def _timeit(fn, args, iters: int, repeats: int = 3) -> float:
-    """Device seconds per call: ``iters`` calls chained in one jitted loop (a one-element bump
-    of the input, opaque to XLA, keeps each call inside the loop), median of ``repeats``."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    @jax.jit
-    def loop(*a):
-        def body(i, carry):
-            a0, acc = carry
-            acc = acc + jnp.sum(fn(a0, *a[1:]))
-            bump = jnp.where(acc == 1234.5678, 1, 0).astype(a0.dtype)
-            return a0.at[0, 0].set(a0[0, 0] + bump), acc
-        return lax.fori_loop(0, iters, body, (a[0], jnp.float32(0)))[1]
-
-    jax.block_until_ready(loop(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        times.append((time.perf_counter() - t0) / iters)
-    return sorted(times)[len(times) // 2]
+from kernel_bench import chained_time as _timeit  # noqa: E402
 
 
 def _time_calls(fn, args, iters: int, repeats: int = 3) -> float:
