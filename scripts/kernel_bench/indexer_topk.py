@@ -38,11 +38,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernel_bench
 
+from kernel_bench import chained_time as _timeit  # noqa: E402
+
 HBM_BPS = 4.3e12
 MMA_FLOPS = 790e12
-
-
-from kernel_bench import chained_time as _timeit  # noqa: E402
 
 
 def bench(quick: bool = False) -> list[dict]:
