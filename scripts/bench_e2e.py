@@ -2,11 +2,14 @@
 """The model's forward step with the Pallas kernels on vs off (pure-jnp references), at a
 per-GPU slice of DeepSeek-V4.1-Flash: real widths (D=5120, 64 heads x 512, index 32 x 128,
 top-512, window 128, F=2304), the tiny model's 6-layer schedule (window, ratio-2 and ratio-1
-layers, KV/index/candidate sources, Engram), a few local experts and small Engram tables.
+layers, KV/index/candidate sources, Engram; or, ``--depth full``, the released 40 + 3), a few
+local experts and small Engram tables.
 
-Decode: ``--decode-requests`` rows of one token each at position ``--context - 1`` (caches filled
-with random values: the work per step is what is timed, not the text). Prefill: one row of
-``--prefill-tokens`` fresh tokens. Each case is compiled once per backend, then timed as the
+Decode: ``--decode-requests`` rows of ``--decode-tokens`` tokens each (1; or 1 + drafts, a
+verification step, logits at every token) ending at position ``--context - 1`` (caches filled
+with random values: the work per step is what is timed, not the text). ``--depth full`` has 7
+local experts by default (DeepInfer's EP64 decode rank: 6 routed + 1 redundant). Prefill: one
+row of ``--prefill-tokens`` fresh tokens. Each case is compiled once per backend, then timed as the
 median of ``--iters`` steps; the table gives the kernels-on/off ratio measured in the same run.
 ``--backends auto,auto-without=sinkhorn_iterate+f32_matmul`` measures what given kernels add;
 ``--compile-cache DIR`` adds each step's compile time from a warm persistent compilation cache.
@@ -14,6 +17,7 @@ median of ``--iters`` steps; the table gives the kernels-on/off ratio measured i
     python scripts/bench_e2e.py                         # on the GPU; writes benchmarks/results/e2e_<device>.json
     python scripts/bench_e2e.py --small --context 256 --prefill-tokens 64 --decode-requests 4   # CPU smoke run
     python scripts/bench_e2e.py --backends auto,auto-without=f32_matmul --compile-cache /tmp/jaxcache
+    python scripts/bench_e2e.py --depth full --backends auto --cases decode --decode-requests 256 --decode-tokens 4 --context 32768
 
 Routing: every token picks ``num_experts_per_tok`` of the ``--experts`` local experts, so a step
 routes more rows per expert than a real EP rank (which sees about T*6/48 rows for 8 of 384
@@ -36,17 +40,21 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def slice_config(small: bool, experts: int, context: int):
+SCHEDULE = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
+            "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids", "dspark_target_layer_ids")
+
+
+def slice_config(small: bool, experts: int, context: int, depth: str = "tiny"):
+    """Widths: V4.1-Flash's (or the tiny model's with ``small``). Layer schedule: the tiny model's
+    6 + 2 layers (``depth="tiny"``) or the released 40 + 3 (``"full"``)."""
     from deepinfer_jax.config import preset
 
-    tiny = preset("v41-tiny")
+    tiny, flash = preset("v41-tiny"), preset("v41-flash")
+    schedule = {k: getattr(flash if depth == "full" else tiny, k) for k in SCHEDULE}
     if small:
-        return tiny.replace(max_position_embeddings=max(tiny.max_position_embeddings, context))
-    flash = preset("v41-flash")
+        return tiny.replace(max_position_embeddings=max(tiny.max_position_embeddings, context), **schedule)
     keep = {f.name: getattr(flash, f.name) for f in dataclasses.fields(flash)}
-    schedule = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
-                "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids", "dspark_target_layer_ids")
-    keep.update({k: getattr(tiny, k) for k in schedule})
+    keep.update(schedule)
     keep.update(n_routed_experts=experts, num_experts_per_tok=min(flash.num_experts_per_tok, experts),
                 dspark_n_routed_experts=experts, dspark_num_experts_per_tok=min(3, experts),
                 engram_vocab_size=50_000, max_position_embeddings=max(context, 65536))
@@ -111,9 +119,15 @@ def random_model_on_device(cfg, seed: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny widths (CPU smoke run)")
-    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=None,
+                    help="local routed experts per layer (default 8; with --depth full 7: DeepInfer's EP64 "
+                         "decode rank, 6 routed + 1 redundant)")
+    ap.add_argument("--depth", choices=("tiny", "full"), default="tiny",
+                    help="layer schedule: the tiny model's 6 + 2 layers, or the released 40 + 3")
     ap.add_argument("--context", type=int, default=4096, help="decode position + 1")
     ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=1,
+                    help="tokens per decode row (1 + drafts: 4 is a verification step of 3 drafts)")
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--cases", default="decode,prefill", help="comma-separated subset of decode,prefill")
@@ -151,7 +165,8 @@ def main(argv=None) -> int:
         model = load_model(model_dir, progress=True)
     else:  # tokenizer + config on disk (the Engram hasher needs them), weights drawn on the device
         model_dir = tempfile.mkdtemp(prefix="v41_slice_")
-        cfg = write_random_model_config(slice_config(args.small, args.experts, args.context), model_dir)
+        experts = args.experts or (7 if args.depth == "full" else 8)
+        cfg = write_random_model_config(slice_config(args.small, experts, args.context, args.depth), model_dir)
         model = random_model_on_device(cfg, seed=0)
     cfg = model.cfg
     print(f"model ready in {time.perf_counter() - t0:.1f}s ({model_dir})", flush=True)
@@ -162,16 +177,20 @@ def main(argv=None) -> int:
 
     bt = default_block_tokens(cfg)
     R = max(args.decode_requests, 1)
+    if not 1 <= args.decode_tokens <= args.context:
+        raise SystemExit(f"--decode-tokens {args.decode_tokens}: expected 1 .. --context ({args.context})")
     per_seq = -(-max(args.context, args.prefill_tokens) // bt)
     cc = CacheConfig(num_slots=R, num_blocks=R * per_seq, block_tokens=bt, max_blocks_per_seq=per_seq)
     rng = np.random.default_rng(0)
 
-    def rows_decode():
+    k = args.decode_tokens
+
+    def rows_decode():  # k tokens a row ending at position context - 1 (k > 1: a verification row)
         out = []
         for r in range(R):
             hist = rng.integers(3, cfg.vocab_size, size=args.context)
-            e = hasher.hash_positions(hist, np.array([args.context - 1])) if hasher else None
-            out.append(RowSpec([int(hist[-1])], args.context - 1, r, list(range(r * per_seq, (r + 1) * per_seq)), e))
+            e = hasher.hash_positions(hist, np.arange(args.context - k, args.context)) if hasher else None
+            out.append(RowSpec(hist[-k:].tolist(), args.context - k, r, list(range(r * per_seq, (r + 1) * per_seq)), e))
         return out
 
     def rows_prefill():
@@ -179,12 +198,14 @@ def main(argv=None) -> int:
         e = hasher.hash_positions(toks, np.arange(len(toks))) if hasher else None
         return [RowSpec(toks.tolist(), 0, 0, list(range(per_seq)), e)]
 
-    def batch_of(rows, T):
+    def batch_of(rows, T, logits="last"):
         return build_batch(rows, num_tokens=T, num_rows=len(rows), max_blocks=per_seq, num_slots=R,
                            n_engram_layers=hasher.n_layers if hasher else 0,
-                           n_hash_cols=hasher.n_hash_cols if hasher else 0)
+                           n_hash_cols=hasher.n_hash_cols if hasher else 0, logits=logits)
 
-    makers = {"decode": lambda: batch_of(rows_decode(), R), "prefill": lambda: batch_of(rows_prefill(), args.prefill_tokens)}
+    # verification rows need logits at every token (the head runs on R * k rows)
+    makers = {"decode": lambda: batch_of(rows_decode(), R * k, "all" if k > 1 else "last"),
+              "prefill": lambda: batch_of(rows_prefill(), args.prefill_tokens)}
     wanted = [c for c in args.cases.split(",") if c]
     if not wanted or any(c not in makers for c in wanted):
         raise SystemExit(f"--cases {args.cases!r}: expected a comma-separated subset of {tuple(makers)}")
@@ -229,7 +250,8 @@ def main(argv=None) -> int:
             row = {"case": case, "backend": backend, "tokens": int(batch.num_tokens),
                    "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                    "dispatch_ms": 1e3 * statistics.median(dispatch),
-                   "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all())}
+                   "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all()),
+                   "logit_rows": int(np.prod(lg.shape[:-1]))}
             # loops left in the step's program (each XLA while loop runs its body as separate launches)
             row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
             if args.compile_cache:  # trace, lower and load from the disk cache, as a restarted process would
