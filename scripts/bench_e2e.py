@@ -38,6 +38,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_floor
+
+from step_floor import StepShape, params_of, step_floor  # noqa: E402
 
 
 SCHEDULE = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
@@ -59,6 +62,34 @@ def slice_config(small: bool, experts: int, context: int, depth: str = "tiny"):
                 dspark_n_routed_experts=experts, dspark_num_experts_per_tok=min(3, experts),
                 engram_vocab_size=50_000, max_position_embeddings=max(context, 65536))
     return type(flash)(**keep).validate()
+
+
+TAU = 3.25  # DeepSeek's mean accepted length in their decode throughput formula
+
+
+def measure_rates(on_gpu: bool) -> dict:
+    """Copy bandwidth (``a + 1`` over a 2 GiB bf16 array, bytes read + written) and the dense
+    bf16 GEMM rate (8192^3; 1024^3 on the CPU), the floors' denominators."""
+    import jax
+    import jax.numpy as jnp
+
+    def best(fn, *a, reps=5):
+        jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    n = (1 << 30) if on_gpu else (1 << 22)
+    a = jnp.ones((n,), jnp.bfloat16)
+    copy_gbps = 2 * n * 2 / best(jax.jit(lambda x: x + 1), a) / 1e9
+    del a
+    m = 8192 if on_gpu else 1024
+    x = jnp.ones((m, m), jnp.bfloat16)
+    gemm_tflops = 2 * m ** 3 / best(jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=jnp.float32)), x, x) / 1e12
+    return dict(copy_gbps=copy_gbps, gemm_tflops=gemm_tflops)
 
 
 def fill_random(cache, seed: int):
@@ -210,6 +241,16 @@ def main(argv=None) -> int:
     if not wanted or any(c not in makers for c in wanted):
         raise SystemExit(f"--cases {args.cases!r}: expected a comma-separated subset of {tuple(makers)}")
     cases = {c: makers[c]() for c in wanted}
+    # the floors (step_floor.py) and the rates they are divided by, measured in this run
+    rates = measure_rates(jax.default_backend() == "gpu")
+    print(f"copy {rates['copy_gbps']:.0f} GB/s (read + write), dense bf16 GEMM {rates['gemm_tflops']:.1f} TFLOP/s",
+          flush=True)
+    params = params_of(cfg)
+    shapes = {"decode": StepShape(rows=R, tokens=k, end=args.context, logit_rows=R * k,
+                                  index_key_bytes=2.0),
+              "prefill": StepShape(rows=1, tokens=args.prefill_tokens, end=args.prefill_tokens, logit_rows=1,
+                                   prefill=True)}
+    floors = {c: step_floor(cfg, params, shapes[c]) for c in cases}
     device = jax.devices()[0].device_kind
     out = args.out or os.path.join("benchmarks", "results", f"e2e_{device.replace(' ', '_')}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -218,7 +259,7 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "device": device, "jax": jax.__version__, "args": vars(args),
-                       "config": cfg.to_hf_dict(), "table": table}, f, indent=1, default=str)
+                       "rates": rates, "config": cfg.to_hf_dict(), "table": table}, f, indent=1, default=str)
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
@@ -252,6 +293,15 @@ def main(argv=None) -> int:
                    "dispatch_ms": 1e3 * statistics.median(dispatch),
                    "compile_s": compile_s, "finite": bool(np.isfinite(np.asarray(lg)).all()),
                    "logit_rows": int(np.prod(lg.shape[:-1]))}
+            fl = floors[case]
+            byte_ms = 1e3 * fl["bytes"] / (rates["copy_gbps"] * 1e9)
+            flop_ms = 1e3 * fl["flops"] / (rates["gemm_tflops"] * 1e12)
+            row.update(floor_bytes=fl["bytes"], floor_flops=fl["flops"], floor_parts=fl["parts"],
+                       byte_floor_ms=byte_ms, flop_floor_ms=flop_ms,
+                       of_floor=max(byte_ms, flop_ms) / row["median_ms"],
+                       mfu=fl["flops"] / (row["median_ms"] * 1e-3) / (rates["gemm_tflops"] * 1e12))
+            if case == "decode":  # DeepSeek's formula: steps/s x requests x tau
+                row["deepseek_tokens_per_s"] = 1e3 / row["median_ms"] * R * TAU
             # loops left in the step's program (each XLA while loop runs its body as separate launches)
             row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
             if args.compile_cache:  # trace, lower and load from the disk cache, as a restarted process would
@@ -270,6 +320,10 @@ def main(argv=None) -> int:
                   f"min {row['min_ms']:9.2f} ms  dispatch {row['dispatch_ms']:7.2f} ms  (compile {compile_s:.1f}s{warm}, finite logits {row['finite']}, "
                   f"{row['while_loops']} while loops)",
                   flush=True)
+            print(f"         floor: {fl['bytes'] / 1e9:.3g} GB -> {byte_ms:.2f} ms, {fl['flops'] / 1e12:.3g} TFLOP -> "
+                  f"{flop_ms:.2f} ms; step at {row['of_floor']:.0%} of the floor, MFU {row['mfu']:.0%}"
+                  + (f", {row['deepseek_tokens_per_s']:.0f} tok/s by DeepSeek's formula (tau {TAU})"
+                     if case == "decode" else ""), flush=True)
     ops.set_disabled(())
     for case in cases:
         ref = next((r for r in table if r["case"] == case and r["backend"] == "reference"), None)
