@@ -12,7 +12,8 @@ local experts by default (DeepInfer's EP64 decode rank: 6 routed + 1 redundant).
 row of ``--prefill-tokens`` fresh tokens. Each case is compiled once per backend, then timed as the
 median of ``--iters`` steps; the table gives the kernels-on/off ratio measured in the same run.
 ``--backends auto,auto-without=sinkhorn_iterate+f32_matmul`` measures what given kernels add;
-``--compile-cache DIR`` adds each step's compile time from a warm persistent compilation cache.
+``--compile-cache DIR`` adds each step's compile time from a warm persistent compilation cache;
+``--profile N`` traces N more steps: device time per kernel family and device idle.
 
     python scripts/bench_e2e.py                         # on the GPU; writes benchmarks/results/e2e_<device>.json
     python scripts/bench_e2e.py --small --context 256 --prefill-tokens 64 --decode-requests 4   # CPU smoke run
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_floor
 
 from step_floor import StepShape, params_of, step_floor  # noqa: E402
+from step_profile import profile_steps  # noqa: E402
 
 
 SCHEDULE = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
@@ -170,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-cache", default=None, metavar="DIR",
                     help="JAX's persistent compilation cache in DIR; each case is then compiled a "
                          "second time after jax.clear_caches() (warm_compile_s: a restart's compile)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="trace STEPS more steps per case with jax.profiler: device time per kernel family, "
+                         "the busiest kernels, device idle (scripts/step_profile.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     # XLA_FLAGS of the run go into the JSON (command-buffer experiments set them per process)
@@ -302,6 +307,21 @@ def main(argv=None) -> int:
                        mfu=fl["flops"] / (row["median_ms"] * 1e-3) / (rates["gemm_tflops"] * 1e12))
             if case == "decode":  # DeepSeek's formula: steps/s x requests x tau
                 row["deepseek_tokens_per_s"] = 1e3 / row["median_ms"] * R * TAU
+            prof_line = None
+            if args.profile:
+                state = {"cache": cache}
+
+                def one_step():
+                    state["cache"], out = step(leaves, state["cache"], batch)
+                    return out
+
+                row["profile"] = profile_steps(one_step, args.profile)
+                cache = state["cache"]
+                p = row["profile"]
+                fams = ", ".join(f"{f} {t:.2f}" for f, t in p["families"].items())
+                idle = f"{p['idle_fraction']:.1%}" if p["idle_fraction"] is not None else "-"
+                prof_line = (f"         profile: {p['kernels']} kernels a step, busy {p['busy_ms']:.2f} ms, "
+                             f"idle {idle}; ms a step: {fams}")
             # loops left in the step's program (each XLA while loop runs its body as separate launches)
             row["while_loops"] = step.lower(leaves, cache, batch).as_text().count("stablehlo.while")
             if args.compile_cache:  # trace, lower and load from the disk cache, as a restarted process would
@@ -324,6 +344,8 @@ def main(argv=None) -> int:
                   f"{flop_ms:.2f} ms; step at {row['of_floor']:.0%} of the floor, MFU {row['mfu']:.0%}"
                   + (f", {row['deepseek_tokens_per_s']:.0f} tok/s by DeepSeek's formula (tau {TAU})"
                      if case == "decode" else ""), flush=True)
+            if prof_line:
+                print(prof_line, flush=True)
     ops.set_disabled(())
     for case in cases:
         ref = next((r for r in table if r["case"] == case and r["backend"] == "reference"), None)
