@@ -13,7 +13,9 @@ import pytest
 from deepinfer_jax.kernels_pallas import ops, sinkhorn_ref
 
 # step shapes no other test compiles: the compiled steps are shared per process, and these tests
-# count traces
+# count traces; the random tiny model (the choice of kernels does not depend on the weights)
+# compiles in a fraction of the shipped model's time
+MODEL = "v41-tiny"
 SMALL = dict(max_num_seqs=3, max_num_batched_tokens=40, max_model_len=128)
 
 
@@ -35,10 +37,10 @@ def test_kernel_choice_belongs_to_the_instance(counting_cpu_kernel):
     from deepinfer_jax import LLM, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    ref_llm = LLM(kernels="reference", progress=False, **SMALL)
+    ref_llm = LLM(MODEL, kernels="reference", progress=False, **SMALL)
     assert counting_cpu_kernel == [], "a kernels='reference' engine traced a kernel"
     assert ops.default_backend() == "auto", "LLM(kernels=...) changed the process default"
-    auto_llm = LLM(progress=False, **SMALL)
+    auto_llm = LLM(MODEL, progress=False, **SMALL)
     n_auto = len(counting_cpu_kernel)
     assert n_auto > 0, "LLM() after LLM(kernels='reference') still runs the references"
     # each keeps its own choice: the reference engine neither re-traces nor picks the kernel
@@ -136,7 +138,7 @@ def test_fallbacks_show_in_the_engine_stats(monkeypatch):
 
     monkeypatch.setitem(ops._KERNELS, ("sinkhorn_iterate", "cpu"), kernel)
     monkeypatch.setattr(ops, "_FALLBACKS", type(ops._FALLBACKS)())
-    llm = LLM(progress=False, **dict(SMALL, max_num_batched_tokens=48))
+    llm = LLM(MODEL, progress=False, **dict(SMALL, max_num_batched_tokens=48))
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     s = llm.stats.summary()
     assert s["kernel_fallbacks"].get("sinkhorn_iterate: a test reason", 0) > 0
