@@ -19,6 +19,19 @@ def pytest_report_header(config):
     return "stack: " + ", ".join(f"{p} {version(p)}" for p in ("jax", "jaxlib", "flax", "orbax-checkpoint", "numpy"))
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (registered under ``name``: its dataclasses look their
+    module up), for the tests of benchmark helpers that are scripts, not package modules."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def golden_root() -> Path:
     """The v41_tiny golden data: ``$DEEPINFER_GOLDEN`` or the vendored ``tests/golden/v41_tiny``."""
     env = os.environ.get("DEEPINFER_GOLDEN")
