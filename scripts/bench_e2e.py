@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_floor
 
 from step_floor import StepShape, params_of, step_floor  # noqa: E402
 from step_profile import profile_steps  # noqa: E402
+from kernel_bench import back_to_back_time, copy_rate  # noqa: E402
 
 
 SCHEDULE = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
@@ -70,28 +71,16 @@ TAU = 3.25  # DeepSeek's mean accepted length in their decode throughput formula
 
 
 def measure_rates(on_gpu: bool) -> dict:
-    """Copy bandwidth (``a + 1`` over a 2 GiB bf16 array, bytes read + written) and the dense
+    """Copy bandwidth (``kernel_bench.copy_rate``: 2 GiB, bytes read + written) and the dense
     bf16 GEMM rate (8192^3; 1024^3 on the CPU), the floors' denominators."""
     import jax
     import jax.numpy as jnp
 
-    def best(fn, *a, reps=5):
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t)
-        return min(ts)
-
-    n = (1 << 30) if on_gpu else (1 << 22)
-    a = jnp.ones((n,), jnp.bfloat16)
-    copy_gbps = 2 * n * 2 / best(jax.jit(lambda x: x + 1), a) / 1e9
-    del a
+    _, copy_bps = copy_rate((1 << 30) if on_gpu else (1 << 22), iters=5)
     m = 8192 if on_gpu else 1024
     x = jnp.ones((m, m), jnp.bfloat16)
-    gemm_tflops = 2 * m ** 3 / best(jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=jnp.float32)), x, x) / 1e12
-    return dict(copy_gbps=copy_gbps, gemm_tflops=gemm_tflops)
+    gemm = jax.jit(lambda p, q: jnp.matmul(p, q, preferred_element_type=jnp.float32))
+    return dict(copy_gbps=copy_bps / 1e9, gemm_tflops=2 * m ** 3 / back_to_back_time(gemm, (x, x), iters=5) / 1e12)
 
 
 def fill_random(cache, seed: int):

@@ -56,3 +56,33 @@ def chained_time(fn, args, iters: int, repeats: int = 3) -> float:
         times.append((time.perf_counter() - t0) / iters)
     times.sort()
     return times[len(times) // 2]
+
+
+def back_to_back_time(fn, args, iters: int, repeats: int = 5) -> float:
+    """Seconds per call of a jitted ``fn`` whose output is materialised: median over ``repeats``
+    of the mean of ``iters`` calls dispatched back to back, after a compile + warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_rate(n_elems: int, iters: int, repeats: int = 5) -> tuple[float, float]:
+    """``(seconds, bytes/s)`` of ``a + 1`` written to a new array of ``n_elems`` bf16 values (2 GiB
+    at ``1 << 30``): the copy bandwidth, bytes read + written, the baseline of the benches."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jax.random.normal(jax.random.PRNGKey(0), (n_elems,), jnp.bfloat16)
+    t = back_to_back_time(jax.jit(lambda a: a + 1), (big,), iters, repeats)
+    return t, 2 * n_elems * 2 / t

@@ -18,28 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernel_bench
 
 from kernel_bench import chained_time as _timeit  # noqa: E402
-
-
-def _time_calls(fn, args, iters: int, repeats: int = 3) -> float:
-    """Device seconds per call of a jitted ``fn`` whose output is materialised: ``iters`` calls
-    dispatched back to back, median of ``repeats``."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return sorted(times)[len(times) // 2]
+from kernel_bench import copy_rate  # noqa: E402
 
 
 def bench(quick: bool = False) -> list[dict]:
@@ -59,11 +43,10 @@ def bench(quick: bool = False) -> list[dict]:
     key = jax.random.PRNGKey(0)
     w_DV = (jax.random.normal(key, (D, V), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
     n_copy = (1 << 30) if on_gpu else (1 << 20)
-    big = jax.random.normal(key, (n_copy,), jnp.bfloat16)
-    # copy: ``a + 1`` written to a new 2 GiB array, bytes read + written (as kernel_bench/moe_gmm);
+    # copy: ``a + 1`` written to a new 2 GiB array, bytes read + written (kernel_bench.copy_rate);
     # read: ``sum(a + 1)``, one read pass (XLA fuses the add into the reduction)
-    t_copy = _time_calls(jax.jit(lambda a: a + 1), (big,), iters)
-    copy_bps = 2 * n_copy * 2 / t_copy
+    t_copy, copy_bps = copy_rate(n_copy, iters)
+    big = jax.random.normal(key, (n_copy,), jnp.bfloat16)
     t_read = _timeit(lambda a: a + 1, (big.reshape(1, -1),), iters)
     del big
     rows = [dict(path="copy", T=0, time_us=t_copy * 1e6, gbps=copy_bps / 1e9, of_copy=1.0, speedup=0.0, err=0.0),

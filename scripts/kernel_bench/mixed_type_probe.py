@@ -40,6 +40,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kernel_bench import copy_rate  # noqa: E402
 from kernel_bench.moe_gmm import D_V41, E_LOCAL, F_V41, _timeit, _weight_bytes, _weights  # noqa: E402
 
 
@@ -54,9 +55,7 @@ def probe(n_rows: int, budget_s: float) -> list[dict]:
 
     t0 = time.time()
     key = jax.random.PRNGKey(0)
-    big = jax.random.normal(key, (1 << 30,), jnp.bfloat16)
-    copy_bps = 4 * (1 << 30) / _timeit(jax.jit(lambda a: a + 1), (big,), 20)
-    del big
+    _, copy_bps = copy_rate(1 << 30, 20)
     rows = [dict(case="copy", us=0.0, gbps=copy_bps / 1e9, of_copy=1.0)]
     print(f"copy: {copy_bps / 1e9:.0f} GB/s", flush=True)
     E, O, K, N = E_LOCAL, F_V41, D_V41, n_rows

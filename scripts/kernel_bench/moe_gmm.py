@@ -36,36 +36,19 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernel_bench
+
+from kernel_bench import back_to_back_time as _timeit  # noqa: E402
+from kernel_bench import copy_rate  # noqa: E402
 
 HBM_BPS = 4.0e12  # H200 measured copy bandwidth (read + write)
 MMA_FLOPS = 700e12  # H200 bf16 dense GEMM rate
 D_V41, F_V41, E_LOCAL = 5120, 2304, 8
 DECODE_M = (128, 512, 2048)
 PREFILL_M = (12288, 32768)
-
-
-def _timeit(fn, args, iters: int, repeats: int = 5) -> float:
-    """Seconds per call: median over ``repeats`` of the mean of ``iters`` back-to-back calls,
-    after a compile + warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _weights(key, fmt: str, E: int, O: int, K: int):
@@ -123,10 +106,7 @@ def bench(quick: bool = False) -> list[dict]:
 
     # (c) copy bandwidth, measured in this run
     n_copy = (1 << 30) if on_gpu else (1 << 20)  # bf16 elements: 2 GiB on the GPU
-    big = jax.random.normal(key, (n_copy,), jnp.bfloat16)
-    t_copy = _timeit(jax.jit(lambda a: a + 1), (big,), iters, repeats)
-    copy_bps = 2 * n_copy * 2 / t_copy
-    del big
+    t_copy, copy_bps = copy_rate(n_copy, iters, repeats)
     rows.append(dict(op="copy", fmt="-", M=0, time_us=t_copy * 1e6, tflops=0.0, gbps=copy_bps / 1e9, ratio=1.0,
                      flop_floor_us=0.0, byte_floor_us=2 * n_copy * 2 / HBM_BPS * 1e6, rel_err=0.0))
     print(f"copy: {copy_bps / 1e9:.0f} GB/s", flush=True)
