@@ -9,7 +9,8 @@ Layout: the wrapper hands the kernel ``[C*C, T]`` (entry-major), so the program 
 the ``C*C`` entries as one vector over its tokens and every step is elementwise arithmetic on
 those vectors: the reference's own ``sinkhorn_ref.step`` (sums left to right, true divisions,
 compiled as PTX ``div.rn.f32``: Triton's ``/`` is approximate). The kernel therefore computes the
-reference's bits (tests compare with ``assert_array_equal``), in interpret mode and compiled.
+bits of the numpy oracle ``sinkhorn_ref.sinkhorn_iterate_np``, in interpret mode and compiled (tests
+compare with ``assert_array_equal``; XLA's own GPU code for the jnp reference does not).
 """
 
 from __future__ import annotations

@@ -77,6 +77,16 @@ def step(v: tuple, C: int, eps: float, barrier: bool = True, div=operator.truedi
     return fence(normalise_cols(fence(normalise_rows(v, C, eps, div=div)), C, eps, div=div))
 
 
+def first_step_ref(comb_TCC: jax.Array, eps: float) -> jax.Array:
+    """The first Sinkhorn step of ``mhc.sinkhorn_split`` on the softmax numerators ``[..., C, C]``:
+    rows ``c / sum + eps``, then columns ``c / (sum + eps)``, in the entry form of ``step``."""
+    C = comb_TCC.shape[-1]
+    lead = comb_TCC.shape[:-2]
+    v = normalise_rows(entries(comb_TCC.reshape(-1, C, C)), C, eps, eps_after=True)
+    v = exact(normalise_cols(exact(v), C, eps))
+    return from_entries(v, C).reshape(*lead, C, C)
+
+
 def sinkhorn_iterate_ref(comb_TCC: jax.Array, n: int, eps: float) -> jax.Array:
     """``n`` Sinkhorn steps on fp32 ``comb [T, C, C]`` (a loop, not ``2n`` unrolled ops)."""
     c = comb_TCC.astype(jnp.float32)

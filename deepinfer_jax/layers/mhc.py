@@ -29,12 +29,7 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    # the first step on the entry vectors, as the iterations (sinkhorn_ref: the sums' order, true division)
-    lead = comb.shape[:-2]
-    v = sinkhorn_ref.entries(comb.reshape(-1, hc, hc))
-    v = sinkhorn_ref.normalise_rows(v, hc, eps, eps_after=True)
-    v = sinkhorn_ref.exact(sinkhorn_ref.normalise_cols(sinkhorn_ref.exact(v), hc, eps))
-    comb = sinkhorn_ref.from_entries(v, hc).reshape(*lead, hc, hc)
+    comb = sinkhorn_ref.first_step_ref(comb, eps)  # as the iterations: the sums' order, true division
 
     comb = (iterate or ops.sinkhorn_iterate)(comb, iters - 1, eps)  # kernels_pallas/sinkhorn_ref.py
     return pre, post, comb
