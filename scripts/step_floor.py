@@ -25,6 +25,7 @@ shapes; the floor is a lower bound either way.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -43,23 +44,16 @@ class StepShape:
         return self.rows * self.tokens
 
 
-def _weight_elements(name: str, shape, dtype) -> int:
-    """Logical weight elements of a parameter (fp4 experts: two per stored byte)."""
-    n = 1
-    for d in shape:
-        n *= int(d)
-    if ".experts." in name and name.endswith(".weight") and str(dtype) == "uint8":
-        return 2 * n
-    return n
-
-
 def _nbytes(shape, dtype) -> int:
     import numpy as np
 
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * np.dtype(dtype).itemsize
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _weight_elements(name: str, shape, dtype) -> int:
+    """Logical weight elements of a parameter (fp4 experts: two per stored byte)."""
+    packed = ".experts." in name and name.endswith(".weight") and str(dtype) == "uint8"
+    return math.prod(shape) * (2 if packed else 1)
 
 
 def step_floor(cfg, flat_params, s: StepShape) -> dict:
