@@ -38,15 +38,18 @@ jax.tree_util.register_dataclass(
     DSparkBatch, data_fields=[f.name for f in dataclasses.fields(DSparkBatch)], meta_fields=[])
 
 
-def sample_anchors(seed, batch: int, seq_len: int, num_anchors: int) -> np.ndarray:
-    """int32 ``[B, A]`` anchors in ``[1, L - 2]`` (drawn with replacement), deterministic from
-    ``seed`` (an int or a sequence of ints, e.g. ``(run_seed, step)``)."""
+def sample_anchors(seed, batch: int, seq_len: int, num_anchors: int, low: int = 1) -> np.ndarray:
+    """int32 ``[B, A]`` anchors in ``[low, L - 2]`` (drawn with replacement), deterministic from
+    ``seed`` (an int or a sequence of ints, e.g. ``(run_seed, step)``). ``low`` > 1 keeps the
+    blocks out of a prefix (the prompts of regenerated sequences)."""
     if seq_len < 3:
         raise ValueError(f"seq_len={seq_len}: DSpark anchors need seq_len >= 3 (a in [1, L-2])")
     if num_anchors < 1:
         raise ValueError(f"num_anchors={num_anchors}: must be >= 1")
+    if not 1 <= low <= seq_len - 2:
+        raise ValueError(f"anchor low={low}: must be in [1, seq_len - 2 = {seq_len - 2}]")
     rng = np.random.default_rng(seed)
-    return rng.integers(1, seq_len - 1, size=(batch, num_anchors)).astype(np.int32)
+    return rng.integers(low, seq_len - 1, size=(batch, num_anchors)).astype(np.int32)
 
 
 def stage_rings(model, main_hidden_BLX: jax.Array, anchors_BA: jax.Array) -> list[jax.Array]:

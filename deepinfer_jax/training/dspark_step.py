@@ -4,7 +4,8 @@
 is_stage_trainable``; fp32 masters, AdamW of ``optimizer.py``, bf16 compute); everything else,
 the embedding and head the draft shares included, is frozen. A step: the backbone's training
 forward (stop-gradient: target logits and ``main_hidden``), ``num_anchors`` anchors per row drawn
-from ``(anchor_seed, step)`` (so a resumed run draws what a straight run draws), the
+from ``(anchor_seed, step)`` in ``[anchor_low, L - 2]`` (so a resumed run draws what a straight
+run draws), the
 teacher-forced draft blocks (``dspark_forward.stage_forward``), the DSpark loss
 (``dspark_loss``), gradient with respect to the stage masters, clipped AdamW update.
 
@@ -39,7 +40,7 @@ def _host(v):
 
 class DSparkTrainer(Trainer):
     def __init__(self, model, oc: OptimConfig, num_anchors: int, lc: DSparkLossConfig = DSparkLossConfig(),
-                 anchor_seed: int = 0):
+                 anchor_seed: int = 0, anchor_low: int = 1):
         if not len(getattr(model, "mtp", ())):
             raise ValueError("DSparkTrainer: the model has no DSpark stages (config: dspark_block_size="
                              f"{model.cfg.dspark_block_size}, num_nextn_predict_layers="
@@ -47,12 +48,12 @@ class DSparkTrainer(Trainer):
                              f"{tuple(model.cfg.dspark_target_layer_ids)})")
         if num_anchors < 1:
             raise ValueError(f"num_anchors={num_anchors}: must be >= 1")
-        self.num_anchors, self.lc, self.anchor_seed = num_anchors, lc.validate(), anchor_seed
+        self.num_anchors, self.lc, self.anchor_seed, self.anchor_low = num_anchors, lc.validate(), anchor_seed, anchor_low
         super().__init__(model, oc, P.is_stage_trainable)
 
     def anchors(self, step: int, batch: int, seq_len: int) -> np.ndarray:
         """The anchors ``[B, A]`` of step ``step`` (a function of ``(anchor_seed, step)`` only)."""
-        return sample_anchors([self.anchor_seed, step], batch, seq_len, self.num_anchors)
+        return sample_anchors([self.anchor_seed, step], batch, seq_len, self.num_anchors, self.anchor_low)
 
     def _compute_model(self, master, frozen):
         return nnx.merge(self.graphdef, P.compute_state(master, self.like), frozen)
@@ -96,7 +97,7 @@ class DSparkTrainer(Trainer):
         toks = as_tokens(tokens_BL)
         eids = as_engram_ids(self.cfg, engram_ids_BLNC, toks.shape)
         if anchors_BA is None:
-            anchors_BA = sample_anchors(seed, *toks.shape, self.num_anchors)
+            anchors_BA = sample_anchors(seed, *toks.shape, self.num_anchors, self.anchor_low)
         if not hasattr(self, "_deval"):
             self._deval = jax.jit(self._eval_impl)
         m = self._deval(master, self.frozen, toks, eids, jnp.asarray(anchors_BA, jnp.int32))

@@ -9,6 +9,13 @@
 #        (greedy and temperature 1) and held-out bits/byte (bf16, fp8, random init); with CALL (the
 #        call's time limit in seconds) the two measurements are cut short so that the archives
 #        are written before the limit
+# The DSpark stages of the shipped model, retrained on its own continuations (scripts/train/
+# regenerate_data.py; runs/regen travels between calls with the device tool's carry):
+#   bash scripts/train/gpu_pipeline.sh regen SECONDS      # prompts from the training split, continued by
+#        the shipped model for at most SECONDS (regen.npy, heldout.npy, regen_meta.json -> $OUT)
+#   bash scripts/train/gpu_pipeline.sh stages D [CALL]    # the shipped model's stages trained on runs/regen
+#        for D seconds of stepping (from the shipped stages), fp8 export -> $OUT, DSpark acceptance of the
+#        new and the shipped stages on the same held-out prompts
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
 # (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows).
 # $OUT gets at most 8 files (what the lent GPU machine returns): figures.tgz (metrics, meta,
@@ -22,7 +29,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 CORPUS=runs/corpus RUN=runs/small
 BATCH="${BATCH:-16}" SEQ="${SEQ:-1024}" LR="${LR:-2e-3}" TRAIN_SECONDS="${TRAIN_SECONDS:-700}"
-stage=${1:?stage: backbone | finish}
+stage=${1:?stage: backbone | finish | regen | stages}
+SHIPPED=deepinfer_jax/assets/v41-small-code REGEN=runs/regen PROMPT="${PROMPT:-256}" NEW="${NEW:-768}"
 
 corpus() {
   if [ ! -f "$CORPUS/corpus_stats.json" ]; then
@@ -75,6 +83,41 @@ case $stage in
       --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
     timeout "$(left 12)" "$PY" scripts/train/evaluate_model.py --corpus "$CORPUS" --model runs/export_bf16 --model runs/export_fp8 \
       --random-init ${MAXWIN:+--max-windows $MAXWIN} --out "$OUT/heldout_bpb.json" 2>"$OUT/eval_stderr.log"
+    pack
+    ls -la "$OUT"
+    ;;
+  regen)
+    "$PY" scripts/train/regenerate_data.py --out "$REGEN" --model "$SHIPPED" \
+      --check-heldout benchmarks/results/v41_small_code_H200/heldout_files.txt --heldout --no-progress \
+      --sequences "${REGEN_SEQS:-4096}" --prompt-len "$PROMPT" --new-tokens "$NEW" --batch-size "${REGEN_BATCH:-512}" \
+      --temperature ${REGEN_TEMPS:-0 0 0 1} --time-budget "${2:?seconds}" >"$OUT/regen.log" 2>&1 || { tail -20 "$OUT/regen.log"; exit 1; }
+    tail -3 "$OUT/regen.log"
+    cp "$REGEN"/regen.npy "$REGEN"/heldout.npy "$REGEN"/regen_meta.json "$OUT/"
+    ;;
+  stages)
+    t0=$(date +%s)
+    RUN=runs/dspark_regen
+    call=${3:-}
+    ds_args=(--model-run "$SHIPPED" --tokenizer "$SHIPPED" --data "$REGEN/regen.npy" --sequences --anchor-low "$PROMPT"
+             --steps auto --train-seconds "${2:?dspark seconds}" --batch "$BATCH" --seq-len $((PROMPT + NEW))
+             --anchors "${ANCHORS:-64}" --lr "${DS_LR:-6e-4}" --out "$RUN" --save-every 500 --resume)
+    "$PY" scripts/train/train_dspark.py "${ds_args[@]}" 2>"$OUT/dspark_stderr.log" | tee -a "$OUT/dspark.log"
+    "$PY" scripts/train/train_dspark.py "${ds_args[@]}" --export runs/export_regen_fp8 --export-dtype fp8 \
+      --export-shard-mb 15 2>>"$OUT/export_stderr.log" | tail -1
+    cp "$SHIPPED"/tokenizer*.json runs/export_regen_fp8/
+    (cd runs/export_regen_fp8 && tar czf "$OUT/model_meta.tgz" config.json model.safetensors.index.json tokenizer*.json \
+      && cp model-*.safetensors "$OUT/")
+    left() {  # seconds until $1 seconds before the call's limit (at least 1)
+      if [ -z "$call" ]; then echo 100000; return; fi
+      local s=$(( call - ($(date +%s) - t0) - $1 )); echo $(( s > 1 ? s : 1 ))
+    }
+    acc=(--tokenizer "$SHIPPED" --heldout "$REGEN/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len "$PROMPT"
+         --max-new-tokens 128)
+    timeout "$(left 110)" "$PY" scripts/eval/dspark_acceptance.py --model runs/export_regen_fp8 "${acc[@]}" \
+      --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -4
+    timeout "$(left 10)" "$PY" scripts/eval/dspark_acceptance.py --model "$SHIPPED" "${acc[@]}" \
+      --temperature 0 --out "$OUT/dspark_acceptance_shipped.json" 2>>"$OUT/accept_stderr.log" | tail -3
+    cp "$REGEN"/regen_meta.json "$OUT/" 2>/dev/null
     pack
     ls -la "$OUT"
     ;;

@@ -9,7 +9,8 @@ objective (``training/dspark_loss.py``).
 ``--model-run``: a backbone run of ``scripts/train/train.py`` (its ``--out``: ``state.npz`` +
 ``meta.json``; the config must have DSpark stages, e.g. ``v41-train-tiny-dspark``; the stages start
 from that run's init values, which its training froze) or an exported bf16 checkpoint directory
-(``config.json`` + safetensors). Writes ``<out>/dspark_state.npz``, ``dspark_meta.json``,
+(``config.json`` + safetensors; an fp8 / fp4 one is first dequantized, exactly, to
+``<out>/backbone_bf16``, so the shipped model trains as it is). Writes ``<out>/dspark_state.npz``, ``dspark_meta.json``,
 ``dspark_metrics.jsonl`` (so ``--out`` may be the backbone run's directory). ``--export`` writes
 the whole model with the trained stages (and, from a run, the backbone's fp32 masters for an fp8
 export to quantize from). Configs with Engram layers: ``--tokenizer`` as in ``train.py``.
@@ -39,7 +40,7 @@ from deepinfer_jax.training.optimizer import OptimConfig  # noqa: E402
 from deepinfer_jax.training.step import Trainer  # noqa: E402
 
 
-def load_backbone(path: str):
+def load_backbone(path: str, out_dir: str):
     """``(model, backbone fp32 masters or None, description)`` of a backbone run or an export."""
     if state_io.has_state(path):
         meta = state_io.load_meta(path)
@@ -50,11 +51,16 @@ def load_backbone(path: str):
     if os.path.isfile(os.path.join(path, "config.json")):
         from deepinfer_jax.models.weights import load_model
 
-        model = load_model(path)
-        if model.cfg.weight_dtype != "bf16" or model.cfg.expert_dtype != "bf16":
-            raise SystemExit(f"--model-run={path!r}: a {model.cfg.weight_dtype}/{model.cfg.expert_dtype} "
-                             "export; the stages train on bf16 storage (export the backbone with bf16)")
-        return model, None, f"export {path}"
+        cfg = ModelConfig.from_json(path)
+        src = f"export {path}"
+        if cfg.weight_dtype != "bf16" or cfg.expert_dtype != "bf16":  # the stages train on bf16 storage
+            from deepinfer_jax.checkpoint.dequantize import dequantize_checkpoint
+
+            bf16_dir = os.path.join(out_dir, "backbone_bf16")
+            dequantize_checkpoint(path, bf16_dir)
+            print(f"{cfg.weight_dtype}/{cfg.expert_dtype} checkpoint {path}: training on its exact bf16 copy {bf16_dir}")
+            path, src = bf16_dir, f"export {path} (dequantized to bf16, values exact)"
+        return load_model(path), None, src
     raise SystemExit(f"--model-run={path!r}: neither a training run (state.npz) nor a checkpoint (config.json)")
 
 
@@ -68,18 +74,25 @@ def main(argv=None) -> int:
     ap.add_argument("--l1-alpha", type=float, default=0.9)
     ap.add_argument("--conf-alpha", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="data order and anchors")
+    ap.add_argument("--sequences", action="store_true",
+                    help="--data is a stack of sequences of --seq-len tokens (scripts/train/regenerate_data.py): "
+                         "windows are whole sequences")
+    ap.add_argument("--anchor-low", type=int, default=1,
+                    help="first anchor position (the prompt length of regenerated sequences: blocks "
+                         "only in the model's own continuations)")
     a = ap.parse_args(argv)
 
-    model, backbone_master, src = load_backbone(a.model_run)
+    model, backbone_master, src = load_backbone(a.model_run, a.out)
     cfg = model.cfg
     steps, oc = schedule_from_args(a, auto_warmup=50)
     lc = DSparkLossConfig(a.gamma, a.ce_alpha, a.l1_alpha, a.conf_alpha)
     tokens = load_data(a, cfg.vocab_size)
-    batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size)
-    trainer = DSparkTrainer(model, oc, a.anchors, lc, anchor_seed=a.seed)
+    batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size, aligned=a.sequences)
+    trainer = DSparkTrainer(model, oc, a.anchors, lc, anchor_seed=a.seed, anchor_low=a.anchor_low)
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
             "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data,
-            "anchors": a.anchors, "anchor_seed": a.seed, "dspark_loss": dataclasses.asdict(lc), "model_run": src}
+            "data_sequences": a.sequences, "anchors": a.anchors, "anchor_seed": a.seed, "anchor_low": a.anchor_low,
+            "dspark_loss": dataclasses.asdict(lc), "model_run": src}
     state = run(trainer, batches, steps, a.out, meta, resume=a.resume, save_every=a.save_every,
                 time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer),
                 prefix=state_io.DSPARK_PREFIX, train_seconds=a.train_seconds)
