@@ -52,6 +52,7 @@ _FIELD_TYPES = {
     "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
+    "spec_calibration": ("bool", None, False),
     "batch_invariant": ("bool", None, True),
 }
 
@@ -116,6 +117,10 @@ class EngineConfig:
     # benchmarks only: accept each draft with this probability whatever the target says (the
     # output is not the model's; runner/spec_step.py forced_verification). None: off
     spec_force_accept: float | None = None
+    # varlen only: per-draft-position temperatures fitted online to the observed acceptance
+    # (the paper's STS, host_scheduler/spec_calibration.py) rescale the confidences Algorithm 1
+    # ranks; the drafts and the output are unchanged, only the verification lengths
+    spec_calibration: bool = False
 
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
@@ -237,6 +242,9 @@ class EngineConfig:
         if varlen is None:
             env = os.environ.get("DEEPINFER_ENABLE_MTP_VARLEN")
             varlen = True if env is None else _env_flag("DEEPINFER_ENABLE_MTP_VARLEN", env)
+        if self.spec_calibration and (spec == "off" or not varlen):
+            self._bad("spec_calibration", "calibrates the confidences of varlen verification: needs "
+                                          "spec_decode='dspark' and spec_varlen=True")
         if spec == "off":
             return spec, self.num_draft_tokens, varlen
         if not cfg.dspark_enabled:

@@ -135,14 +135,24 @@ def test_prefix_hits_with_speculation(prompts, plain, spec_fixed):
 
 def test_varlen_plans_shorter_rows_when_steps_cost_more(prompts, plain, spec_fixed):
     """With a forward time that grows steeply with the step's tokens, Algorithm 1 verifies fewer
-    drafts than the fixed length; the output stays the greedy output."""
-    llm = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, precompile=False, **BASE)
+    drafts than the fixed length; the output stays the greedy output. With STS calibration
+    (``spec_calibration``): every verified row reaches the calibrator, which refits its
+    per-position temperatures away from 1 and feeds them to the plan."""
+    llm = LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, spec_calibration=True, precompile=False,
+              **BASE)
+    cal = llm.engine.spec_calibrator
+    cal.refit_every = 16
+    assert llm.engine.scheduler.spec_confidence == cal.probabilities
     llm.engine.scheduler.spec_sps = lambda B: 1.0 / (1.0 + 0.2 * B)
     ref = tokens(fresh(plain).generate(prompts[:6], GREEDY, use_tqdm=False))
     assert tokens(llm.generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
     assert tokens(fresh(spec_fixed).generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
     s, sf = llm.stats.summary(), spec_fixed.stats.summary()
     assert s["spec_rows"] and s["drafts_verified"] / s["spec_rows"] < sf["drafts_verified"] / sf["spec_rows"]
+    # rows whose drafts' confidences were on the host (all but those planned right after a prefill)
+    assert s["spec_rows"] - 6 <= cal.observed <= s["spec_rows"]
+    assert cal.fits >= 1 and np.all(np.isfinite(cal.temperature_K)) and np.all(cal.temperature_K > 0)
+    assert np.any(np.abs(cal.temperature_K - 1) > 1e-3)
 
 
 def test_seeded_sampling_with_speculation(prompts, plain, spec_fixed):
@@ -188,6 +198,10 @@ def test_spec_config_errors_and_aliases(monkeypatch):
         EngineConfig(spec_decode="eagle").resolve(cfg)
     with pytest.raises(ValueError, match="max_backtracking_tokens=2"):
         EngineConfig(spec_decode="dspark", max_backtracking_tokens=2).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_calibration=True: calibrates the confidences of varlen"):
+        EngineConfig(spec_decode="dspark", spec_varlen=False, spec_calibration=True).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_calibration=1: must be a bool"):
+        EngineConfig(spec_decode="dspark", spec_calibration=1).resolve(cfg)
     with pytest.raises(ValueError, match="spec_rule='always'"):
         EngineConfig(spec_decode="dspark", spec_rule="always").resolve(cfg)
     no_stages = dataclasses.replace(preset("v41-tiny"), dspark_block_size=0)

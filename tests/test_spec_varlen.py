@@ -334,3 +334,33 @@ def test_temperature_calibration_recovers_temperature():
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-z[:4] / cal.temperature_K)))
     # too few pairs: temperature stays 1
     assert TemperatureCalibrator(2, min_pairs=50).fit(z[:10, :2], y[:10, :2]).temperature_K.tolist() == [1, 1]
+
+
+def test_online_calibration_from_verified_rows():
+    """Rows from a head twice too confident at position 0 and well calibrated after: each row's
+    acceptance follows the true conditional probabilities up to the first rejection. The online
+    calibrator sees only (logits, drafts, accepted) per row, learns T ~ (2, 1, 1) from the
+    positions each row reached, refits on its cadence and forgets rows beyond its window."""
+    from deepinfer_jax.host_scheduler.spec_calibration import OnlineTemperatureCalibrator
+
+    rng = np.random.default_rng(1)
+    K, N = 3, 12000
+    true_T = np.array([2.0, 1.0, 1.0])
+    cal = OnlineTemperatureCalibrator(K, window=N, refit_every=1000)
+    np.testing.assert_array_equal(cal.probabilities(np.zeros((1, K))), 0.5)  # raw sigmoid before a fit
+    for i in range(N):
+        z = rng.normal(0, 3, size=K)
+        n = int(rng.integers(1, K + 1))  # varlen: rows verify 1..K drafts
+        ok = rng.uniform(size=K) < 1 / (1 + np.exp(-z / true_T))
+        a = int(np.argmin(np.r_[ok[:n], False]))  # accepted until the first rejection
+        cal.observe(z, n, a)
+    assert cal.observed == N and cal.fits == N // 1000
+    np.testing.assert_allclose(cal.temperature_K, true_T, rtol=0.12)
+    p = cal.probabilities(np.array([[2.0, 2.0, 2.0]]))
+    np.testing.assert_allclose(p, 1 / (1 + np.exp(-2.0 / cal.temperature_K))[None])
+    cal.observe([1.0], 0, 0)  # a row without drafts carries nothing
+    assert cal.observed == N
+    with pytest.raises(ValueError, match="num_accepted=3, num_drafts=2"):
+        cal.observe([0, 0], 2, 3)
+    with pytest.raises(ValueError, match="window=0"):
+        OnlineTemperatureCalibrator(K, window=0)

@@ -111,6 +111,12 @@ class LLMEngine:
             buckets = ec.token_buckets
             # the step runs at its padded bucket: SPS(B) is the bucket's rate
             self.scheduler.spec_sps = lambda B: est.sps(pick_bucket(min(int(B), buckets[-1]), buckets))
+        self.spec_calibrator = None
+        if self.spec and ec.spec_calibration:
+            from deepinfer_jax.host_scheduler.spec_calibration import OnlineTemperatureCalibrator
+
+            self.spec_calibrator = OnlineTemperatureCalibrator(ec.num_draft_tokens)
+            self.scheduler.spec_confidence = self.spec_calibrator.probabilities
 
     # ------------------------------------------------------------------ requests
     def check_requests(self, requests: Sequence[tuple], labels: Sequence | None = None) -> list[CheckedRequest]:
@@ -364,6 +370,10 @@ class LLMEngine:
                 a = int(res.num_accepted[i])
                 self.scheduler.commit_verification(req, row.num_drafts, a)
                 if row.num_drafts:
+                    # the drafts verified here came with the previous step's results, and so did
+                    # req.draft_confidence (replaced below by this step's)
+                    if self.spec_calibrator is not None and len(req.draft_confidence) >= row.num_drafts:
+                        self.spec_calibrator.observe(req.draft_confidence, row.num_drafts, a)
                     spec_rows += 1
                     verified += row.num_drafts
                     accepted += a

@@ -79,6 +79,9 @@ class Scheduler:
         self.num_draft_tokens = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
         self.spec_varlen = bool(getattr(ec, "spec_varlen", False))
         self.spec_sps = None
+        # confidence logits [R, K] -> conditional acceptance probabilities (default the sigmoid;
+        # the engine sets a calibrated map with EngineConfig.spec_calibration)
+        self.spec_confidence = None
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
 
@@ -206,7 +209,8 @@ class Scheduler:
                 z = np.zeros(c)
                 known = np.asarray(r.draft_confidence[:c], np.float64)
                 z[:len(known)] = known  # none yet (right after a prefill): sigmoid(0) = 0.5
-                conf[i, :c] = 1.0 / (1.0 + np.exp(-z))
+                conf[i, :c] = (1.0 / (1.0 + np.exp(-z)) if self.spec_confidence is None
+                               else self.spec_confidence(z[None])[0])
         lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget)
         return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
 
