@@ -37,19 +37,20 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return np.random.default_rng(11).integers(4, 250, size=(3, P)).astype(np.int32)
+    return np.random.default_rng(11).integers(4, 250, size=(4, P)).astype(np.int32)
 
 
 def test_greedy_continuations_are_the_models_greedy_decoding(tiny, prompts):
-    """Three prompts in slots of 2 (a short last group): each continuation equals decoding that
-    prompt alone, token by token (the window ring of 8 wraps inside the prompt)."""
+    """Four prompts in groups of 3 slots (a short last group): each continuation equals decoding
+    that prompt alone, token by token (the window ring of 8 wraps inside the prompt). Every step
+    of both runs is padded to shapes the other tests share (3 rows; 3 * P tokens): few compiles."""
     _, model, hasher = tiny
-    out = continue_prompts(model, prompts, NEW, batch_size=2, hasher=hasher, prefill_rows=2)
-    assert out.shape == (3, P + NEW) and out.dtype == np.int32
+    out = continue_prompts(model, prompts, NEW, batch_size=3, hasher=hasher, prefill_rows=3)
+    assert out.shape == (4, P + NEW) and out.dtype == np.int32
     np.testing.assert_array_equal(out[:, :P], prompts)
     cc = acceptance_cache_config(model.cfg, 1, P + NEW)
     for i, p in enumerate(prompts):
-        ref = SequenceDriver(model, cc, hasher).generate_greedy(p.tolist(), NEW)
+        ref = SequenceDriver(model, cc, hasher).generate_greedy(p.tolist(), NEW, num_tokens=3 * P, num_rows=3)
         assert out[i, P:].tolist() == ref, f"prompt {i}"
 
 
