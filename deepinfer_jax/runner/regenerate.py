@@ -97,7 +97,5 @@ def continue_prompts(model, prompts_NP: np.ndarray, new_tokens: int, batch_size:
                 progress(len(rows))
             if t + 1 == new_tokens:
                 break
-            lg, _, _ = drv.step([(s - g0, [int(tok[j])]) for j, s in enumerate(rows)], logits="last",
-                                num_tokens=R, num_rows=R)
-            last = np.array(lg[:len(rows)])
+            last = np.array(drv.decode_step([s - g0 for s in rows], tok, num_rows=R)[:len(rows)])
     return out

@@ -16,7 +16,7 @@ from flax import nnx
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
-from deepinfer_jax.base.forward_batch import RowSpec, build_batch
+from deepinfer_jax.base.forward_batch import RowSpec, build_batch, pack_batch
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "with_taps", "batch_invariant"), donate_argnames=("cache",))
@@ -97,6 +97,40 @@ class SequenceDriver:
                             n_engram_layers=hl.n_layers if hl else 0, n_hash_cols=hl.n_hash_cols if hl else 0,
                             logits=logits)
         return jax.tree.map(jnp.asarray, batch)
+
+    def decode_step(self, slots: Sequence[int], token_ids: Sequence[int], num_rows: int | None = None) -> np.ndarray:
+        """One new token per slot (``step`` with one-token chunks and ``logits="last"``), its input
+        built without per-row array work: the Engram n-grams of all rows hashed in one call
+        (``EngramHasher.hash_windows``). Every call with the same ``num_rows`` has one padded shape.
+        Returns the logits ``[num_rows, V]`` as numpy (rows beyond the slots are padding)."""
+        slots = [int(s) for s in slots]
+        toks = np.asarray(token_ids, np.int64).reshape(-1)
+        n = len(slots)
+        if toks.shape[0] != n:
+            raise ValueError(f"decode_step: {toks.shape[0]} tokens for {n} slots")
+        starts = np.empty(n, np.int64)
+        blocks = []
+        hl = self.hasher
+        K = hl.max_ngram_size if hl is not None else 0
+        window = np.full((n, K), -1, np.int64)
+        for i, (s, t) in enumerate(zip(slots, toks.tolist())):
+            hist = self.history.setdefault(s, [])
+            starts[i] = len(hist)
+            hist.append(t)
+            blocks.append(self._blocks_for(s, len(hist)))
+            if K:
+                tail = hist[-K:][::-1]  # the token at p, p-1, ... (-1 before position 0)
+                window[i, :len(tail)] = tail
+        eids = hl.hash_windows(window) if hl is not None else None
+        zeros = np.zeros(n, np.int64)
+        R = num_rows or n
+        batch = pack_batch(toks, np.ones(n, np.int64), starts, np.asarray(slots, np.int64), blocks, zeros, zeros,
+                           zeros, engram_ids=eids, num_tokens=R, num_rows=R, num_logits=R,
+                           max_blocks=self.cc.max_blocks_per_seq, num_slots=self.cc.num_slots,
+                           n_engram_layers=hl.n_layers if hl else 0, n_hash_cols=hl.n_hash_cols if hl else 0)
+        self.cache, lg, _, _ = _step(self.graphdef, self.state, self.cache, jax.tree.map(jnp.asarray, batch),
+                                     False, self.batch_invariant)
+        return np.asarray(lg)
 
     def draft(self, slots: Sequence[int], input_ids: Sequence[int], with_taps: bool = False):
         """DSpark block for each slot after its last computed position; ``input_ids`` = the token
