@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", default=None)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--heldout-new", type=int, default=160)
-    ap.add_argument("--work", default="/tmp/dspark_teacher_forced", help="where an fp8 model's bf16 copy goes")
+    ap.add_argument("--work", default=None, help="where an fp8 model's bf16 copy goes (default: a temporary directory)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     ranges = []
@@ -56,9 +57,9 @@ def main(argv=None) -> int:
 
     from deepinfer_jax.models.weights import load_model
     from deepinfer_jax.runner.engram_hash import EngramHasher
+    from deepinfer_jax.runner.regenerate import continue_prompts
     from deepinfer_jax.training.dspark_step import DSparkTrainer
     from deepinfer_jax.training.optimizer import OptimConfig
-    from deepinfer_jax.runner.regenerate import continue_prompts
 
     sets = {}
     if a.sequences:
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
                                                   banned_ids=banned, prefill_rows=a.rows)
     if not sets:
         raise SystemExit("nothing to measure: give --sequences and/or --heldout")
-    model, _, _ = load_backbone(a.model, a.work)
+    model, _, _ = load_backbone(a.model, a.work or tempfile.mkdtemp(prefix="dspark_teacher_forced_"))
     trainer = DSparkTrainer(model, OptimConfig(), a.anchors)
     master = trainer.init_state().master
     ids_fn = engram_ids_fn(model.cfg, a.model)

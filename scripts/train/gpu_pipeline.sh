@@ -39,6 +39,11 @@ corpus() {
   tail -2 "$OUT/corpus.log" 2>/dev/null
 }
 
+left() {  # seconds until $1 seconds before the call's limit $call, counted from $t0 (at least 1)
+  if [ -z "${call:-}" ]; then echo 100000; return; fi
+  local s=$(( call - ($(date +%s) - t0) - $1 )); echo $(( s > 1 ? s : 1 ))
+}
+
 pack() {  # the small files as one archive (the machine returns at most 8 files)
   local t; t=$(mktemp -d)
   cp "$RUN"/*.jsonl "$RUN"/*meta.json "$t/" 2>/dev/null
@@ -74,10 +79,6 @@ case $stage in
     (cd runs/export_fp8 && tar czf "$OUT/model_meta.tgz" config.json model.safetensors.index.json tokenizer*.json \
       && cp model-*.safetensors "$OUT/")
     call=${4:-}
-    left() {  # seconds until $1 seconds before the call's limit (at least 1)
-      if [ -z "$call" ]; then echo 100000; return; fi
-      local s=$(( call - ($(date +%s) - t0) - $1 )); echo $(( s > 1 ? s : 1 ))
-    }
     timeout "$(left 20)" "$PY" scripts/eval/dspark_acceptance.py --model runs/export_fp8 --tokenizer runs/export_fp8 \
       --heldout "$CORPUS/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len 256 --max-new-tokens 128 \
       --temperature 0 1 --trace --out "$OUT/dspark_acceptance.json" 2>"$OUT/accept_stderr.log" | tail -8
@@ -107,10 +108,6 @@ case $stage in
     cp "$SHIPPED"/tokenizer*.json runs/export_regen_fp8/
     (cd runs/export_regen_fp8 && tar czf "$OUT/model_meta.tgz" config.json model.safetensors.index.json tokenizer*.json \
       && cp model-*.safetensors "$OUT/")
-    left() {  # seconds until $1 seconds before the call's limit (at least 1)
-      if [ -z "$call" ]; then echo 100000; return; fi
-      local s=$(( call - ($(date +%s) - t0) - $1 )); echo $(( s > 1 ? s : 1 ))
-    }
     acc=(--tokenizer "$SHIPPED" --heldout "$REGEN/heldout.npy" --n-prompts "${NPROMPTS:-32}" --prompt-len "$PROMPT"
          --max-new-tokens 128)
     timeout "$(left 110)" "$PY" scripts/eval/dspark_acceptance.py --model runs/export_regen_fp8 "${acc[@]}" \

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     t_gen = time.time() - t1
     seqs = np.concatenate(parts)
     token_files.write_tokens(os.path.join(a.out, "regen.npy"), seqs.reshape(-1).astype(token_files.token_dtype(cfg.vocab_size)))
-    meta = {"model": os.path.abspath(model_dir), "roots": roots, "split_salt": a.salt,
+    meta = {"model": model_dir, "roots": roots, "split_salt": a.salt,
             "heldout_fraction": a.heldout_fraction, "train_files": len(train), "heldout_files": len(heldout),
             "prompt_files_sampled": int(len(pick)), "sequences": int(len(seqs)), "prompt_len": a.prompt_len,
             "new_tokens": a.new_tokens, "seq_len": a.prompt_len + a.new_tokens, "banned_ids": banned,
