@@ -186,6 +186,18 @@ def test_no_compilation_after_warmup(llm):
     assert compiles == []
 
 
+def test_warmup_compiles_each_step_variant_once(model_dir, llm):
+    """The arrays the step carries start committed, as the step's own outputs are: otherwise
+    jit keys the first call apart from the later ones and start-up compiles a variant twice."""
+    fn = llm.runner._step  # shared by runners of this model; a new shape adds its own entries
+    before = fn._cache_size()
+    other = LLM(model_dir, **dict(BASE, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(32,)))
+    assert other.runner._step is fn
+    assert fn._cache_size() - before == len(other.runner.variants()) == 1
+    other.generate(prompts_of(3, 7, 2, 40), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert fn._cache_size() - before == 1
+
+
 def test_seeded_sampling_independent_of_batch(llm):
     p = prompts_of(1, 41, 30, 31)[0]
     sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)

@@ -163,7 +163,7 @@ class ModelRunner:
         if self.spec_slots:
             self._spec_step = step_function(self.graphdef, state_treedef, spec=True,
                                             batch_invariant=self.batch_invariant)
-            self.spec_carry = SpecCarry.empty(ec.max_num_seqs, self.spec_slots)
+            self.spec_carry = self._committed(SpecCarry.empty(ec.max_num_seqs, self.spec_slots))
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
                                         index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
@@ -172,6 +172,8 @@ class ModelRunner:
             from deepinfer_jax.sharding.partition import shard_cache
 
             self.cache = shard_cache(self.cache, mesh)
+        else:
+            self.cache = self._committed(self.cache)
         self.hasher, self.engram_tables = None, None
         if self.cfg.engram_enabled:
             tok = os.path.join(model_dir, "tokenizer.json")
@@ -180,9 +182,18 @@ class ModelRunner:
         # tokens before each row's start that the scheduler puts in the row (the n-gram look-back)
         self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
         self.num_rows = ec.max_num_seqs
-        self.prev_sampled = jnp.zeros((self.num_rows,), jnp.int32)
+        self.prev_sampled = self._committed(jnp.zeros((self.num_rows,), jnp.int32))
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
+
+    def _committed(self, tree):
+        """``tree`` placed on the step's devices: the arrays the step carries (cache, sampled
+        ids, speculation carry) are committed outputs after the first step, and jit keys its
+        cache on committed vs not, so uncommitted initial arrays would compile every step
+        variant's first call twice."""
+        if self.mesh is None:
+            return jax.device_put(tree, jax.devices()[0])
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def kernel_fallbacks(self) -> dict[str, int]:
         """Ops whose kernel ran the jnp reference in a trace ("op: reason" -> traced calls; the
@@ -258,9 +269,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
         variants = self.variants()
-        # the first call sees freshly created (uncommitted) cache arrays, later ones the step's
-        # own outputs: a different jit cache key, so the first variant runs twice
-        for v in tqdm(variants[:1] + variants, desc="compiling steps", disable=not progress):
+        for v in tqdm(variants, desc="compiling steps", disable=not progress):
             h = self._dispatch(empty, *v)
             h.fetch()
         if self.spec_slots:
