@@ -130,3 +130,39 @@ def test_dequantized_copy_holds_the_quantized_weights_exactly(tiny, tmp_path):
     np.testing.assert_array_equal(np.asarray(w16, np.float32), np.asarray(w8, np.float32))
     with pytest.raises(ValueError, match="is the source directory"):
         dequantize_checkpoint(out, out)
+
+
+def test_train_split_is_the_training_files_in_the_models_tokenizer(tmp_path):
+    """``regenerate_data.py --sequences 0 --train-split --heldout``: train.npy holds exactly the
+    training split's files (encoded with the model's tokenizer, each ending in EOS) and no
+    held-out file; nothing is generated."""
+    import importlib.util
+
+    import tokenizers
+
+    from deepinfer_jax.models.registry import DEFAULT_MODEL, SHIPPED
+    from deepinfer_jax.training import corpus_files, corpus_split, token_files
+
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(24):
+        (root / f"mod_{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}  # module {i}\n")
+    spec = importlib.util.spec_from_file_location(
+        "regenerate_data", os.path.join(os.path.dirname(__file__), "..", "scripts", "train", "regenerate_data.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "out"
+    assert script.main(["--out", str(out), "--roots", str(root), "--sequences", "0", "--train-split", "--heldout",
+                        "--heldout-fraction", "0.3", "--no-progress"]) == 0
+    assert not (out / "regen.npy").exists()
+    files, _, _ = corpus_files.collect_files(corpus_files.unique_roots([str(root)]), progress=False)
+    train, heldout = corpus_split.split_files(files, 0.3, corpus_split.DEFAULT_SALT)
+    assert train and heldout
+    model_dir = os.fspath(SHIPPED[DEFAULT_MODEL])
+    tok = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    eos = ModelConfig.from_json(model_dir).eos_token_id
+    got = np.load(out / "train.npy", mmap_mode="r")
+    np.testing.assert_array_equal(got, token_files.encode_documents(tok, [f.text for f in train], eos))
+    assert int(np.sum(np.asarray(got) == eos)) == len(train)
+    np.testing.assert_array_equal(np.load(out / "heldout.npy", mmap_mode="r"),
+                                  token_files.encode_documents(tok, [f.text for f in heldout], eos))

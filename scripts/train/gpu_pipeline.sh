@@ -15,9 +15,12 @@
 #        the shipped model for at most SECONDS (regen.npy, heldout.npy, regen_meta.json -> $OUT)
 #   bash scripts/train/gpu_pipeline.sh stages D [CALL]    # the shipped model's stages trained on runs/regen
 #        for D seconds of stepping (from the shipped stages), fp8 export -> $OUT, DSpark acceptance of the
-#        new and the shipped stages on the same held-out prompts
+#        new and the shipped stages on the same held-out prompts. DS_DATA=corpus: trained on the real
+#        text of the training split instead (encoded with the shipped tokenizer into runs/regen/train.npy
+#        first if it is not there, the held-out list checked), random windows of SEQ tokens
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
-# (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows).
+# (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows),
+# DS_DATA (regen | corpus, for `stages`).
 # $OUT gets at most 8 files (what the lent GPU machine returns): figures.tgz (metrics, meta,
 # logs, JSON figures), model_meta.tgz (config, index, tokenizer) and the fp8 export's shards
 # (15 MB each).
@@ -97,10 +100,21 @@ case $stage in
     ;;
   stages)
     t0=$(date +%s)
-    RUN=runs/dspark_regen
+    RUN=runs/dspark_${DS_DATA:-regen}
     call=${3:-}
-    ds_args=(--model-run "$SHIPPED" --tokenizer "$SHIPPED" --data "$REGEN/regen.npy" --sequences --anchor-low "$PROMPT"
-             --steps auto --train-seconds "${2:?dspark seconds}" --batch "$BATCH" --seq-len $((PROMPT + NEW))
+    if [ "${DS_DATA:-regen}" = corpus ]; then
+      if [ ! -f "$REGEN/train.npy" ]; then
+        "$PY" scripts/train/regenerate_data.py --out "$REGEN" --model "$SHIPPED" --sequences 0 --train-split --heldout \
+          --check-heldout benchmarks/results/v41_small_code_H200/heldout_files.txt --no-progress >"$OUT/split.log" 2>&1 \
+          || { tail -20 "$OUT/split.log"; exit 1; }
+        tail -2 "$OUT/split.log"
+      fi
+      data=(--data "$REGEN/train.npy" --seq-len "$SEQ")
+    else
+      data=(--data "$REGEN/regen.npy" --sequences --anchor-low "$PROMPT" --seq-len $((PROMPT + NEW)))
+    fi
+    ds_args=(--model-run "$SHIPPED" --tokenizer "$SHIPPED" "${data[@]}"
+             --steps auto --train-seconds "${2:?dspark seconds}" --batch "$BATCH"
              --anchors "${ANCHORS:-64}" --lr "${DS_LR:-6e-4}" --out "$RUN" --save-every 500 --resume)
     "$PY" scripts/train/train_dspark.py "${ds_args[@]}" 2>"$OUT/dspark_stderr.log" | tee -a "$OUT/dspark.log"
     "$PY" scripts/train/train_dspark.py "${ds_args[@]}" --export runs/export_regen_fp8 --export-dtype fp8 \

@@ -16,7 +16,8 @@ successive groups of ``--batch-size`` sequences cycle through these (0 = greedy)
 ``scripts/eval/dspark_acceptance.py --heldout`` cuts its prompts from).
 
 Writes into ``--out``: ``regen.npy`` (uint16, ``sequences * (prompt-len + new-tokens)`` ids),
-``regen_meta.json`` (settings, counts, timings).
+``regen_meta.json`` (settings, counts, timings). ``--train-split`` also writes ``train.npy``, the
+whole training split in the model's tokenizer (``--sequences 0``: that alone, no generation).
 """
 
 from __future__ import annotations
@@ -56,9 +57,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-files", type=int, default=8000, help="training files sampled for prompts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", action="store_true", help="also write heldout.npy")
+    ap.add_argument("--train-split", action="store_true",
+                    help="also write train.npy: the whole training split encoded with the model's tokenizer "
+                         "(real text for train_dspark.py); with --sequences 0 nothing is generated")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    for name in ("sequences", "prompt_len", "new_tokens", "batch_size", "max_files"):
+    if a.sequences < (0 if a.train_split or a.heldout else 1):
+        raise SystemExit(f"--sequences={a.sequences}: must be >= 1 (>= 0 with --train-split or --heldout)")
+    for name in ("prompt_len", "new_tokens", "batch_size", "max_files"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
     if any(t < 0 for t in a.temperature):
@@ -93,8 +99,17 @@ def main(argv=None) -> int:
     cfg = model.cfg
     ids = token_files.encode_documents(tok, [train[i].text for i in pick], cfg.eos_token_id)
     docs = token_files.split_documents(ids, cfg.eos_token_id)
-    prompts = prompt_windows(docs, a.sequences, a.prompt_len, a.seed)
+    prompts = prompt_windows(docs, a.sequences, a.prompt_len, a.seed) if a.sequences else None
     t_data = time.time() - t0
+    split_meta = {}
+    if a.train_split:
+        ts = time.time()
+        t_ids = token_files.encode_documents(tok, [f.text for f in train], cfg.eos_token_id,
+                                             progress=not a.no_progress, desc="encode train split")
+        token_files.write_tokens(os.path.join(a.out, "train.npy"), t_ids)
+        split_meta = {"train_tokens": int(len(t_ids)), "train_bytes": int(sum(len(f.text.encode()) for f in train)),
+                      "train_encode_s": round(time.time() - ts, 2)}
+        print(json.dumps(split_meta))
 
     hasher = EngramHasher.from_model_config(cfg, tok_json) if cfg.engram_enabled else None
     banned = sorted({cfg.pad_token_id, cfg.dspark_noise_token_id} if cfg.dspark_enabled else {cfg.pad_token_id})
@@ -122,16 +137,19 @@ def main(argv=None) -> int:
                  "eos_share": st["eos"] / (st["sequences"] * a.new_tokens),
                  "distinct_token_share": st["distinct"] / st["sequences"]} for st in per_temp.values()]
     t_gen = time.time() - t1
-    seqs = np.concatenate(parts)
-    token_files.write_tokens(os.path.join(a.out, "regen.npy"), seqs.reshape(-1).astype(token_files.token_dtype(cfg.vocab_size)))
+    seqs = np.concatenate(parts) if parts else np.zeros((0, a.prompt_len + a.new_tokens), np.int64)
+    if len(seqs):
+        token_files.write_tokens(os.path.join(a.out, "regen.npy"),
+                                 seqs.reshape(-1).astype(token_files.token_dtype(cfg.vocab_size)))
     meta = {"model": model_dir, "roots": roots, "split_salt": a.salt,
             "heldout_fraction": a.heldout_fraction, "train_files": len(train), "heldout_files": len(heldout),
             "prompt_files_sampled": int(len(pick)), "sequences": int(len(seqs)), "prompt_len": a.prompt_len,
             "new_tokens": a.new_tokens, "seq_len": a.prompt_len + a.new_tokens, "banned_ids": banned,
             "per_temperature": per_temp, "generated_tokens": int(len(seqs) * a.new_tokens),
-            "generate_s": round(t_gen, 2), "generated_tokens_per_s": round(len(seqs) * a.new_tokens / t_gen, 1),
+            "generate_s": round(t_gen, 2),
+            "generated_tokens_per_s": round(len(seqs) * a.new_tokens / t_gen, 1) if len(seqs) else None,
             "data_s": round(t_data, 2), "seed": a.seed, "checked_heldout_list": a.check_heldout,
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **split_meta}
     if a.heldout:
         h_ids = token_files.encode_documents(tok, [h.text for h in heldout], cfg.eos_token_id)
         token_files.write_tokens(os.path.join(a.out, "heldout.npy"), h_ids)
