@@ -45,9 +45,13 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     events: list[tuple[str, float]] = []
 
+    log = open(out_path + ".events", "a")  # read by the parent if this start runs out of time
+
     def on_duration(name: str, secs: float, **_kw) -> None:
         if name in PHASES:
             events.append((PHASES[name], float(secs)))
+            log.write(json.dumps([PHASES[name], float(secs)]) + "\n")
+            log.flush()
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     from deepinfer_jax.entrypoints.llm import LLM
@@ -87,7 +91,16 @@ def run_child(model: str, config: dict, cache_dir: str | None, timeout: float) -
         try:
             p = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
-            return {"config": config, "error": f"timed out after {timeout:.0f} s"}
+            rec = {"config": config, "error": f"timed out after {timeout:.0f} s"}
+            if os.path.exists(path + ".events"):  # what it had compiled by then
+                with open(path + ".events") as f:
+                    ev = [json.loads(ln) for ln in f if ln.strip()]
+                done = [s for k, s in ev if k == "backend_s"]
+                rec["partial"] = {"compiles_over_1s": sum(s > 1.0 for s in done),
+                                  "longest_compile_s": round(max(done, default=0.0), 2),
+                                  **{ph: round(sum(s for k, s in ev if k == ph), 2) for ph in PHASES.values()}}
+                rec["error"] += f"; by then {json.dumps(rec['partial'])}"
+            return rec
         if p.returncode != 0 or not os.path.exists(path):
             return {"config": config, "error": (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]}
         with open(path) as f:
