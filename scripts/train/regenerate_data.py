@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     import tokenizers
     from tqdm.auto import tqdm
 
+    from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.models.weights import load_model
     from deepinfer_jax.runner.engram_hash import EngramHasher
 
@@ -93,13 +94,14 @@ def main(argv=None) -> int:
                              f"differs from the committed list ({len(want)} files); refusing to generate")
         print(f"held-out split equals {a.check_heldout} ({len(want)} files)")
     rng = np.random.default_rng(a.seed)
-    pick = rng.choice(len(train), size=min(a.max_files, len(train)), replace=False)
+    pick = rng.choice(len(train), size=min(a.max_files, len(train)), replace=False) if a.sequences else []
     tok = tokenizers.Tokenizer.from_file(tok_json)
-    model = load_model(model_dir, progress=False)
-    cfg = model.cfg
-    ids = token_files.encode_documents(tok, [train[i].text for i in pick], cfg.eos_token_id)
-    docs = token_files.split_documents(ids, cfg.eos_token_id)
-    prompts = prompt_windows(docs, a.sequences, a.prompt_len, a.seed) if a.sequences else None
+    # the model and the prompts only when something is generated (--sequences 0: encoding alone)
+    model = load_model(model_dir, progress=False) if a.sequences else None
+    cfg = model.cfg if model is not None else ModelConfig.from_json(model_dir)
+    if a.sequences:
+        ids = token_files.encode_documents(tok, [train[i].text for i in pick], cfg.eos_token_id)
+        prompts = prompt_windows(token_files.split_documents(ids, cfg.eos_token_id), a.sequences, a.prompt_len, a.seed)
     t_data = time.time() - t0
     split_meta = {}
     if a.train_split:
