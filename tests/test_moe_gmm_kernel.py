@@ -20,6 +20,7 @@ reference's (x1.25 + 1e-3): the kernel is as close to the exact function as the 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -461,3 +462,22 @@ def test_unsupported_widths_fall_back_to_the_reference():
     x = jnp.ones((4, 5120), jnp.bfloat16)
     flash_w1 = (jnp.zeros((8, 2304, 2560), jnp.uint8), jnp.zeros((8, 2304, 160), jnp.uint8))
     assert shapes_supported(x, idx, flash_w1, "fp4", 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_moe_kernels_lowered_once_per_program(fmt):
+    """A step calls the MoE op once per layer with the same shapes; its two Mosaic GPU kernels
+    must be lowered once per program, not once per layer (the Mosaic lowering costs seconds per
+    launch site, so a per-layer lowering made a step's compile grow with its depth). Lowered
+    for CUDA on any host: three chained layers give one gate+up and one down launch site."""
+    rng = np.random.default_rng(5)
+    E = 4
+    x, idx, wt, w1, w2, w3 = _moe_case(rng, fmt, 12, 4, 256, 128, E)
+
+    def three_layers(x, *rest):
+        for _ in range(3):
+            x = moe_gmm.moe_experts(x, *rest, fmt, 0.75, E).sum(1)
+        return x
+
+    hlo = jax.jit(three_layers).trace(x, idx, wt, w1, w2, w3).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", hlo)) == 2

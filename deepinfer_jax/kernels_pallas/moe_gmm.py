@@ -558,6 +558,13 @@ def _qdq_h(h: jax.Array, fmt: str) -> jax.Array:
     return quant.act_quant_fp8(h) if fmt in ("fp8", "fp4") else h
 
 
+# A jit boundary of its own: every MoE layer of a step calls this with the same shapes, so JAX
+# traces it once and lowers it once per step program (the lowering cache keys on the traced
+# jaxpr). Inline, each layer re-ran the Mosaic GPU lowering of both kernels (its layout
+# inference dominates: about 2 s per kernel launch site on a 2-core host), which made the
+# lowering of a step grow with its depth.
+@functools.partial(jax.jit, static_argnames=("fmt", "swiglu_limit", "n_experts", "interpret", "tiles_up",
+                                             "tiles_down"))
 def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int, *,
                 interpret: bool = False, tiles_up: GmmTiling | None = None,
                 tiles_down: GmmTiling | None = None):
