@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""How long an engine's GPU step programs take to trace and lower, measured on any host.
+
+Lowering (jaxpr -> MLIR, Pallas kernels included) runs in Python before XLA compiles anything,
+and a persistent compilation cache cannot skip it (its key is the lowered module). This script
+builds an engine without compiling (``precompile=False``), then traces and lowers its step
+variants for CUDA with the GPU kernels chosen, on this machine, without a GPU: JAX is told the
+default backend is ``gpu`` and the target an SM90 device (an H200) while the steps are traced.
+Nothing is compiled or run. Per variant it prints the trace and lowering seconds and the Pallas
+launch sites in the module (Triton and Mosaic GPU custom calls); ``--top N`` adds the N most
+expensive functions of the lowering (cProfile, cumulative).
+
+    python scripts/gpu_lowering_profile.py --model v41-small-code
+    python scripts/gpu_lowering_profile.py --model v41-small-code --engine '{"spec_decode": "dspark"}' --top 25
+
+A kernel whose lowering repeats per layer shows here as launch sites growing with the depth
+(``kernels_pallas/moe_gmm.moe_experts`` is jitted for that reason). The patches touch JAX
+internals (``jax._src.pallas.triton.gpu_info``) that may move between releases; on a real GPU
+use ``scripts/compile_profile.py``, which times the whole start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+@contextlib.contextmanager
+def as_if_on_an_h200():
+    """Kernel choice and Pallas lowering as on an SM90 GPU (see the module docstring)."""
+    import jax
+    from jax._src.pallas.triton import gpu_info
+
+    from deepinfer_jax.kernels_pallas import moe_gmm
+
+    saved = (jax.default_backend, gpu_info.get_gpu_info, moe_gmm.is_hopper)
+    jax.default_backend = lambda: "gpu"
+    gpu_info.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    moe_gmm.is_hopper = lambda: True
+    try:
+        yield
+    finally:
+        jax.default_backend, gpu_info.get_gpu_info, moe_gmm.is_hopper = saved
+
+
+def lower_variant(runner, T: int, R: int, Td: int | None) -> tuple[float, float, str]:
+    """(trace s, lower s, module text) of one step variant, lowered for CUDA."""
+    import jax
+
+    from deepinfer_jax.base.scheduler_output import SchedulerOutput
+    from deepinfer_jax.runner.packed_input import pack
+    from deepinfer_jax.runner.step_inputs import build_step_input
+
+    empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
+    inp = build_step_input(empty, num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=runner.cache_config,
+                           hasher=runner.hasher, vocab=runner.cfg.vocab_size, prompt_lp=False,
+                           spec_slots=runner.spec_slots)
+    bufs, layout = pack(inp)
+    t0 = time.perf_counter()
+    with jax.set_mesh(runner.trace_mesh):
+        if runner.spec_slots:
+            ec = runner.ec
+            traced = runner._spec_step.trace(
+                runner.state_leaves, runner.cache, bufs, runner.spec_carry, runner.engram_tables, layout=layout,
+                num_logprobs=ec.max_logprobs, prompt_lp=False, kernels=runner.kernels, spec_slots=runner.spec_slots,
+                rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0),
+                batch_invariant=runner.batch_invariant)
+        else:
+            traced = runner._step.trace(
+                runner.state_leaves, runner.cache, bufs, runner.prev_sampled, runner.engram_tables, layout=layout,
+                num_logprobs=runner.ec.max_logprobs, prompt_lp=False, kernels=runner.kernels,
+                batch_invariant=runner.batch_invariant)
+        t1 = time.perf_counter()
+        lowered = traced.lower(lowering_platforms=("cuda",))
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, lowered.as_text()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="v41-small-code")
+    ap.add_argument("--engine", default="{}", help="JSON of LLM keyword arguments")
+    ap.add_argument("--variants", type=int, default=None, help="lower only the first N variants")
+    ap.add_argument("--top", type=int, default=0, help="print the N costliest functions of the lowering")
+    ap.add_argument("--out", default=None, help="JSON path (default: none)")
+    args = ap.parse_args(argv)
+    kw = json.loads(args.engine)
+    if not isinstance(kw, dict):
+        ap.error(f"--engine {args.engine!r}: expected a JSON object")
+
+    import jax
+
+    from deepinfer_jax.entrypoints.llm import LLM
+
+    llm = LLM(args.model, progress=False, precompile=False, **kw)
+    runner = llm.runner
+    variants = runner.variants()[:args.variants]
+    prof = cProfile.Profile()
+    rows = []
+    print(f"{'T':>6} {'R':>5} {'Td':>6} {'trace s':>8} {'lower s':>8} {'triton':>7} {'mosaic':>7}")
+    with as_if_on_an_h200():
+        for T, R, Td in variants:
+            prof.enable()
+            tr, lo, text = lower_variant(runner, T, R, Td)
+            prof.disable()
+            row = {"T": T, "R": R, "Td": Td, "trace_s": tr, "lower_s": lo,
+                   "triton_sites": text.count("__gpu$xla.gpu.triton"),
+                   "mosaic_gpu_sites": len(re.findall(r"custom_call @mosaic_gpu", text))}
+            rows.append(row)
+            print(f"{T:>6} {R:>5} {str(Td):>6} {tr:8.2f} {lo:8.2f} {row['triton_sites']:>7} {row['mosaic_gpu_sites']:>7}",
+                  flush=True)
+    tot_t, tot_l = sum(r["trace_s"] for r in rows), sum(r["lower_s"] for r in rows)
+    print(f"{len(rows)} variants: trace {tot_t:.1f} s, lower {tot_l:.1f} s (this host, jax {jax.__version__})")
+    if args.top:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.top)
+        print(s.getvalue())
+    if args.out:
+        import datetime
+
+        meta = {"model": args.model, "engine": kw, "jax": jax.__version__, "host_platform": "cpu",
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
