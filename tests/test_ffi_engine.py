@@ -70,19 +70,23 @@ def test_engine_with_ffi_kernels(model_dir, traced):  # noqa: F811
     assert {"sparse_attention", "moe_experts", "sinkhorn_iterate"} <= set(traced), traced
     assert batched == tokens([llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts[:2]]) + batched[2:]
     # the reference engine's greedy tokens, but where its own top-2 gap is a near-tie (this
-    # random model's logits are flat): from there on a one-ulp op difference may pick the other
-    ref_outs = LLM(model_dir, kernels="reference", **BASE).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2), use_tqdm=False)
-    n_equal = 0
-    for ours, r in zip(batched, ref_outs):
-        theirs = r.outputs[0].token_ids
-        if ours == theirs:
-            n_equal += 1
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-        top2 = sorted((lp.logprob for lp in r.outputs[0].logprobs[i].values()), reverse=True)[:2]
-        assert top2[0] - top2[1] <= NEAR_TIE, f"step {i}: {ours} vs {theirs}, reference gap {top2}"
-    assert n_equal >= len(prompts) // 2, f"only {n_equal} of {len(prompts)} prompts equal the reference"
+    # random model's logits are flat): from there on a one-ulp op difference may pick the other.
+    # How many prompts stay equal to the end depends on the host CPU (XLA's code and the C++
+    # build differ in rounding order), so the check is on the logits: up to the first
+    # difference, each chosen token's logprob agrees within the same bound
+    lp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    ours_outs = llm.generate(prompts, lp, use_tqdm=False)
+    ref_outs = LLM(model_dir, kernels="reference", **BASE).generate(prompts, lp, use_tqdm=False)
+    for o, r, b in zip(ours_outs, ref_outs, batched):
+        ours, theirs = o.outputs[0].token_ids, r.outputs[0].token_ids
+        assert ours == b[:len(ours)]
+        i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+        for j in range(i):
+            got, want = o.outputs[0].logprobs[j][ours[j]].logprob, r.outputs[0].logprobs[j][ours[j]].logprob
+            assert abs(got - want) <= NEAR_TIE, f"step {j}: logprob {got} vs reference {want}"
+        if i < len(ours):
+            top2 = sorted((x.logprob for x in r.outputs[0].logprobs[i].values()), reverse=True)[:2]
+            assert top2[0] - top2[1] <= NEAR_TIE, f"step {i}: {ours} vs {theirs}, reference gap {top2}"
     assert ops.default_backend() == "auto"  # the engine's choice, not the process's
 
 
