@@ -182,6 +182,33 @@ def test_stops_inside_a_verified_block(prompts, plain, spec_fixed):
         assert out.token_ids == ref[0][:first + 1] and out.finish_reason == "stop"
 
 
+def test_min_tokens_bans_hold_per_verification_slot(prompts, plain, spec_fixed):
+    """Under min_tokens the banned ids (EOS, stop ids) hold on each verification slot that samples
+    an output before min_tokens, and only there. Rows still carry drafts (before, they had none
+    until min_tokens outputs were out), and the output equals the plain engine's under the same
+    bans. The stop id is one the model emits early, so the bans change the output."""
+    ref = tokens(fresh(plain).generate(prompts[:4], GREEDY, use_tqdm=False))
+    stop_id = int(np.argmax(np.bincount(np.concatenate([r[:8] for r in ref]))))
+    # whole output under the bans: any draft verified was verified under them
+    held = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    # the bans end inside a block: the stop id is allowed from output 6 on
+    ends = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, stop_token_ids=[stop_id], ignore_eos=True)
+    for params in (held, ends):
+        want = tokens(fresh(plain).generate(prompts[:4], params, use_tqdm=False))
+        outs = fresh(spec_fixed).generate(prompts[:4], params, use_tqdm=False)
+        assert tokens(outs) == want
+        assert want != [r[:len(t)] for r, t in zip(ref, want)]  # the bans changed the output
+        for o in outs:
+            t = o.outputs[0].token_ids
+            assert stop_id not in t[:params.min_tokens]
+            assert o.outputs[0].finish_reason == ("stop" if t[-1] == stop_id else "length")
+        if params is held:
+            assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+            assert sum(o.metrics.draft_tokens_accepted for o in outs) > 0
+        else:
+            assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
 def test_spec_config_errors_and_aliases(monkeypatch):
     from deepinfer_jax.config import ModelConfig, preset
     from deepinfer_jax.engine_config import EngineConfig

@@ -43,6 +43,9 @@ class ScheduledRow:
     # async speculation: the row's tokens all come from the previous step's outputs (prev_row);
     # the last history_tokens known tokens then the in-flight row's drafts, for the n-gram hash
     spec_ctx: list[int] | None = None
+    # min_tokens ending inside a verification row: the banned ids apply to its first ban_slots
+    # slots (slot i samples output number n + i, banned while n + i < min_tokens)
+    ban_slots: int = 1
 
     @property
     def num_tokens(self) -> int:

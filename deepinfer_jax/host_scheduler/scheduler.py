@@ -182,12 +182,13 @@ class Scheduler:
     # ------------------------------------------------------------------ speculative decoding
     def draft_cap(self, req: Request) -> int:
         """Drafts the request's next verification row may carry: at most ``num_draft_tokens``,
-        none before ``min_tokens`` outputs (the bans would differ per slot), and no more than
-        ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight rows as fully
-        accepted. A row after an in-flight one takes that step's drafts on the device (async);
-        otherwise the host's drafts from the last processed step."""
+        and no more than ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight
+        rows as fully accepted. A row after an in-flight one takes that step's drafts on the
+        device (async); otherwise the host's drafts from the last processed step. Before
+        ``min_tokens`` outputs a row is planned only with nothing in flight (``_num_new_tokens``),
+        so the count its per-slot bans start from is exact (``ScheduledRow.ban_slots``)."""
         p = req.params
-        if req.num_computed != req.num_tokens_planned - 1 or len(req.output_token_ids) < p.min_tokens:
+        if req.num_computed != req.num_tokens_planned - 1:
             return 0
         have = self.num_draft_tokens if req.num_pending else len(req.draft_token_ids)
         return max(0, min(self.num_draft_tokens, have, p.max_tokens - req.num_outputs_planned - 1,
@@ -294,13 +295,16 @@ class Scheduler:
         req.num_computed += n
         sample = req.num_computed - n_draft == req.num_tokens_planned
         banned: list[int] = []
+        ban_slots = 1
         if sample:
             req.num_pending += 1 + n_draft  # optimistic: every draft accepted
             req.spec_inflight_drafts = n_draft
             req.last_sample = (step, row_index)
-            if req.num_outputs_planned - 1 < req.params.min_tokens:
+            n_out = req.num_outputs_planned - 1 - n_draft  # outputs before the row's first slot
+            if n_out < req.params.min_tokens:
                 eos = req.eos_token_id is not None and not req.params.ignore_eos  # as min_tokens_banned_ids
                 banned = ([req.eos_token_id] if eos else []) + list(req.params.stop_token_ids)
+                ban_slots = min(req.params.min_tokens - n_out, 1 + n_draft)
         n_prompt = len(req.prompt_token_ids)
         # also after a preemption: the results of rows of the older epoch are dropped, so the
         # recomputed prompt chunks must deliver their prompt logprobs again
@@ -316,7 +320,7 @@ class Scheduler:
             request_id=req.request_id, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row,
             sample=sample, slot=req.slot, blocks=list(req.blocks), floor=req.floor,
             dec_floor=max(req.floor, req.dec_floor), cache_start=req.cache_start, is_prefill=was_prefill,
-            params=req.params, seed=req.seed, banned=banned, prompt_logprobs=want_plp,
+            params=req.params, seed=req.seed, banned=banned, ban_slots=ban_slots, prompt_logprobs=want_plp,
             prompt_targets=targets, history=history, num_drafts=n_draft, spec_ctx=spec_ctx)
 
     # ------------------------------------------------------------------ cache bookkeeping

@@ -153,6 +153,15 @@ def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -
     return batch.token_valid & (j > first + num_accepted_R[row])
 
 
+def slot_bans(sb, ban_slots_R, K1: int):
+    """``sb`` with its row bans ``[R, B]`` turned into per-slot bans ``[R, K+1, B]`` that hold on
+    each row's first ``ban_slots_R`` slots (min_tokens ending inside the verification row)."""
+    if ban_slots_R is None:
+        return sb
+    on_RK = jnp.arange(K1, dtype=jnp.int32)[None, :] < ban_slots_R[:, None]
+    return dataclasses.replace(sb, banned_RB=jnp.where(on_RK[:, :, None], sb.banned_RB[:, None, :], -1))
+
+
 def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_logprobs: int, prompt_lp: bool,
                K: int, rule: str, force_accept: float):
     b = inp.batch
@@ -163,12 +172,13 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
     R = inp.sampling.temperature.shape[0]
     K1 = K + 1
     V = logits.shape[-1]
-    ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, inp.sampling,
+    sb = slot_bans(inp.sampling, inp.ban_slots_R, K1)
+    ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, sb,
                         allowed_RKW=inp.allowed_RW, num_logprobs=num_logprobs, rule=rule,
                         batch_invariant=bi.enabled())
     if force_accept > 0:
         ver = forced_verification(ver, logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R,
-                                  inp.sampling, force_accept)
+                                  sb, force_accept)
     cache = apply_undo(cache, undo, rejected_tokens(b, inp.num_drafts_R, ver.num_accepted))
     # the next block: the last emitted token is the input, the last accepted position the context
     last_tok = jnp.take_along_axis(ver.token_ids, ver.num_accepted[:, None], axis=1)[:, 0]

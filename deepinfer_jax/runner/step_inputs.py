@@ -39,6 +39,8 @@ class StepInput:
     prompt_targets: jax.Array | None        # int32 [T]: next prompt token of each flat token
     draft_RK: jax.Array | None = None       # int32 [R, K]: verification rows' drafts (spec steps)
     num_drafts_R: jax.Array | None = None   # int32 [R]: drafts of each row, 0..K
+    # the leading verification slots each row's banned ids apply to (min_tokens; spec steps)
+    ban_slots_R: jax.Array | None = None    # int32 [R], 0..K+1
     # async speculation: the previous step's row whose outputs give this row's tokens (-1: the
     # host knows them), and the n-gram context: H known tokens + that row's drafts (-1 padded)
     spec_prev_row_R: jax.Array | None = None   # int32 [R]
@@ -94,7 +96,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         partials = np.zeros((num_tokens, n_layers, hasher.max_ngram_size - 1, 2), np.uint32)
         eids = _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials)
 
-    drafts = n_drafts = spec_prev = spec_ctx = None
+    drafts = n_drafts = ban_slots = spec_prev = spec_ctx = None
     if K:
         nd_R = np.fromiter((r.num_drafts for r in rows), np.int64, nr)
         if nr and nd_R.max() > K:
@@ -111,6 +113,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         drafts[:nr][has] = tok_t[src[has]]
         n_drafts = np.zeros(num_rows, np.int32)
         n_drafts[:nr] = nd_R
+        ban_slots = np.zeros(num_rows, np.int32)
+        ban_slots[:nr] = np.fromiter((r.ban_slots if r.banned else 0 for r in rows), np.int32, nr)
         H = hasher.max_ngram_size - 1 if hasher is not None else 0
         spec_prev = np.full(num_rows, -1, np.int32)
         spec_ctx = np.full((num_rows, H + K), -1, np.int32)
@@ -158,7 +162,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             allowed[i, len(m):] = 0  # slots past the row's drafts are never emitted
         if not K:
             allowed = allowed[:, 0]
-    return StepInput(batch, sampling, prev, partials, targets, drafts, n_drafts, spec_prev, spec_ctx, allowed)
+    return StepInput(batch, sampling, prev, partials, targets, draft_RK=drafts, num_drafts_R=n_drafts,
+                     ban_slots_R=ban_slots, spec_prev_row_R=spec_prev, spec_ctx_RC=spec_ctx, allowed_RW=allowed)
 
 
 def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2) -> np.ndarray:
