@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from deepinfer_jax.host_scheduler import spec_varlen as varlen
 from deepinfer_jax.host_scheduler.spec_varlen import (
     ForwardRuntimeEstimator,
     SamplerRuntimeEstimator,
@@ -156,6 +157,25 @@ def test_matches_brute_force_walk(discrete):
         assert got.tolist() == want.tolist(), (conf, sps.values, max_tokens)
         if max_tokens is not None:
             assert conf.shape[0] + got.sum() <= max(max_tokens, conf.shape[0])
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_sorted_plan_equals_the_frontier_walk(cumulative):
+    """A whole array is planned by one sort (``_plan_sorted``), a lazy array-like by the frontier
+    walk; both give the same lengths, ties, zeros, token caps and, for cumulative input,
+    survivals that rise along a row (the walk's guard flattens them) included."""
+    rng = np.random.default_rng(11 + cumulative)
+    sorted_used = 0
+    for i in range(400):
+        conf, sps = random_instance(rng, discrete=bool(i % 2))
+        if cumulative:
+            conf = np.cumprod(conf, axis=1) * rng.choice([1.0, 1.3], size=conf.shape, p=[0.8, 0.2])
+        max_tokens = None if rng.uniform() < 0.5 else int(rng.integers(0, conf.size + conf.shape[0] + 2))
+        sorted_used += varlen._sortable(conf, cumulative)
+        got = plan_varlen(conf, sps, max_tokens, cumulative=cumulative)
+        want = plan_varlen(Spy(conf), sps, max_tokens, cumulative=cumulative)
+        assert got.tolist() == want.tolist(), (conf, sps.values, max_tokens)
+    assert sorted_used == 400
 
 
 def test_walk_prefixes_are_optimal_among_prefix_closed_choices():

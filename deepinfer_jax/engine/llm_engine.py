@@ -109,8 +109,16 @@ class LLMEngine:
 
             est = self.forward_estimator = ForwardRuntimeEstimator(sorted(runner.bucket_seconds.items()))
             buckets = ec.token_buckets
-            # the step runs at its padded bucket: SPS(B) is the bucket's rate
-            self.scheduler.spec_sps = lambda B: est.sps(pick_bucket(min(int(B), buckets[-1]), buckets))
+            memo = self._sps_of_bucket = {}  # cleared when the estimator learns a step time
+
+            def bucket_sps(B: int) -> float:  # the step runs at its padded bucket: SPS(B) is the bucket's rate
+                b = pick_bucket(min(int(B), buckets[-1]), buckets)
+                v = memo.get(b)
+                if v is None:
+                    v = memo[b] = est.sps(b)
+                return v
+
+            self.scheduler.spec_sps = bucket_sps
         self.spec_calibrator = None
         if self.spec and ec.spec_calibration:
             from deepinfer_jax.host_scheduler.spec_calibration import OnlineTemperatureCalibrator
@@ -424,6 +432,7 @@ class LLMEngine:
             call_s=handle.call_time, process_s=time.perf_counter() - t_apply))
         if self.forward_estimator is not None:
             self.forward_estimator.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
+            self._sps_of_bucket.clear()
         out = [self._request_output(g) for g in done_groups]
         self._forget(done_groups)
         self.stats.finished_requests += len(done_groups)

@@ -203,15 +203,15 @@ class Scheduler:
             return caps
         decoding = [r for r in self.running if r.num_computed == r.num_tokens_planned - 1]
         K = self.num_draft_tokens
-        conf = np.zeros((len(decoding), K))
-        for i, r in enumerate(decoding):
-            c = caps.get(r.request_id, 0)
-            if c:  # async: the newest processed step's confidences (the drafts in flight are on the device)
-                z = np.zeros(c)
-                known = np.asarray(r.draft_confidence[:c], np.float64)
-                z[:len(known)] = known  # none yet (right after a prefill): sigmoid(0) = 0.5
-                conf[i, :c] = (1.0 / (1.0 + np.exp(-z)) if self.spec_confidence is None
-                               else self.spec_confidence(z[None])[0])
+        cap_R = np.fromiter((caps.get(r.request_id, 0) for r in decoding), np.int64, len(decoding))
+        # async: the newest processed step's confidence logits (the drafts in flight are on the
+        # device); none yet (right after a prefill): logit 0, sigmoid 0.5
+        z_RK = np.zeros((len(decoding), K))
+        for i in np.flatnonzero(cap_R):
+            known = decoding[i].draft_confidence[:cap_R[i]]
+            z_RK[i, :len(known)] = known
+        p_RK = 1.0 / (1.0 + np.exp(-z_RK)) if self.spec_confidence is None else self.spec_confidence(z_RK)
+        conf = np.where(np.arange(K)[None, :] < cap_R[:, None], p_RK, 0.0)
         lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget)
         return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
 

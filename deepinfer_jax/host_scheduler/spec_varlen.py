@@ -11,9 +11,11 @@ How many drafted tokens of each request one verification step checks
   sets l_r = j, B += 1, tau += a_{r,j}, theta = tau * SPS(B) (expected tokens per second);
   keep it while theta improves, STOP at the first non-improvement (theta <= best).
   Because a is non-increasing in j, a row's positions come in order, so the choice is
-  prefix-closed.  The walk is a heap over one frontier position per row, and the frontier
-  of a row advances (reading its next confidence) only after its current position was
-  taken: confidences past the stopping point are never read.
+  prefix-closed.  On a whole array of probabilities the order is one sort of all
+  positions, then the stopping rule runs over its prefixes (vectorised: this runs every
+  step).  On a lazy array-like the walk is a heap over one frontier position per row, and
+  the frontier of a row advances (reading its next confidence) only after its current
+  position was taken: confidences past the stopping point are never read.
 * :func:`plan_varlen_async` -- the production variant for async scheduling, where the step's
   token count must be fixed before this step's confidences leave the device: the total
   budget K_total (extra draft tokens) is Algorithm 1 run on the confidences of two steps
@@ -128,6 +130,8 @@ def plan_varlen(conf_RK, sps, max_tokens: int | None = None, *, cumulative: bool
     R = conf.shape[0]
     if R == 0:
         return np.zeros(0, dtype=np.int64)
+    if _sortable(conf, cumulative):
+        return _plan_sorted(conf, sps, max_tokens, cumulative)
     state = {"B": R, "tau": float(R)}
     state["best"] = state["tau"] * sps(R)
 
@@ -143,6 +147,46 @@ def plan_varlen(conf_RK, sps, max_tokens: int | None = None, *, cumulative: bool
         return True
 
     return _walk(_Survival(conf, cumulative), take)
+
+
+def _sortable(conf, cumulative: bool) -> bool:
+    """Whether the walk's order is one sort of all positions: a whole finite array whose prefix
+    survivals never rise along a row (probabilities, or ``cumulative`` survivals, which the
+    walk's guard makes non-increasing). Lazy array-likes keep the frontier walk, which reads
+    no confidence past the stop."""
+    if not isinstance(conf, np.ndarray) or not np.isfinite(conf).all():
+        return False
+    return cumulative or bool(((conf >= 0) & (conf <= 1)).all())
+
+
+def _plan_sorted(conf: np.ndarray, sps: Callable[[int], float], max_tokens: int | None,
+                 cumulative: bool) -> np.ndarray:
+    """:func:`plan_varlen` on a sortable array, vectorised: the positions sorted once in the
+    walk's order (the frontier walk pops exactly this order when survivals never rise along a
+    row), the running tau as one sequential cumulative sum (the walk's own additions, so the
+    same floats), then the stopping rule over the prefixes, asking ``sps`` only up to the stop."""
+    R, K = conf.shape
+    lengths = np.zeros(R, dtype=np.int64)
+    if K == 0:
+        return lengths
+    a_RK = np.minimum.accumulate(conf, axis=1) if cumulative else np.cumprod(conf, axis=1)
+    live_RK = np.logical_and.accumulate(a_RK > 0, axis=1)  # the walk drops a row at its first a <= 0
+    r_P, j_P = np.nonzero(live_RK)
+    a_P = a_RK[r_P, j_P]
+    order = np.lexsort((r_P, j_P, -a_P))  # descending a, then lower j, then lower r
+    n_max = len(order) if max_tokens is None else max(0, min(len(order), int(max_tokens) - R))
+    tau_N = np.cumsum(np.concatenate([[float(R)], a_P[order[:n_max]]]))
+    best = tau_N[0] * sps(R)
+    n = 0
+    while n < n_max:
+        theta = tau_N[n + 1] * sps(R + n + 1)
+        if not theta > best:
+            break
+        best = theta
+        n += 1
+    taken = order[:n]
+    np.maximum.at(lengths, r_P[taken], j_P[taken] + 1)
+    return lengths
 
 
 def varlen_budget(conf_RK, sps, max_tokens: int | None = None, *, cumulative: bool = False) -> int:
