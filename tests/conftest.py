@@ -11,6 +11,9 @@ import deepinfer_jax  # noqa: F401  (first: it sets the XLA numerics flags befor
 # KERNEL_MODES below asks JAX for its backend at collection time)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# the CLI turns JAX's persistent compilation cache on by default (a process-wide setting): the
+# suite keeps it off, so no test writes to the user's cache or reads another run's entries
+os.environ["DEEPINFER_COMPILE_CACHE"] = "0"
 
 
 def pytest_report_header(config):

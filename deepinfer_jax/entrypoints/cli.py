@@ -10,8 +10,10 @@ released weights here, so on first use a random-weight checkpoint of that preset
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from deepinfer_jax.entrypoints import compile_cache
 from deepinfer_jax.models.registry import DEFAULT_MODEL
 
 # Python, what the default model (v41-small-code) was trained on; a def line ends without its
@@ -101,7 +103,14 @@ def cmd_generate(args) -> int:
         engine["token_buckets"] = tuple(parse_int_list("--token-buckets", args.token_buckets))
     if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
-    llm = LLM(args.model, model_seed=args.model_seed, **engine)
+    cache = False if args.no_compile_cache else (args.compile_cache or True)
+    if os.environ.get(compile_cache.ENV) is not None and not args.no_compile_cache and not args.compile_cache:
+        cache = None  # the environment decides
+    try:
+        compile_cache.resolve(cache)
+    except ValueError as e:
+        raise CLIError("--compile-cache", str(e).split(": ", 1)[-1]) from None
+    llm = LLM(args.model, model_seed=args.model_seed, compile_cache=cache, **engine)
     outs = llm.generate(prompts, sp, use_tqdm=True)
     for o in outs:
         shown = repr(o.prompt) if o.prompt is not None else o.prompt_token_ids
@@ -148,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--index-key-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="index-key cache format: fp8 = e5m2 codes + a scale per key (same results, ~half the bytes)")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
+    g.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="persistent compilation cache: a second start loads its compiled steps "
+                        f"(default ${compile_cache.ENV}, else ~/.cache/deepinfer_jax/xla)")
+    g.add_argument("--no-compile-cache", action="store_true", help="compile every step afresh")
     g.add_argument("--stats-json", default=None, help="write per-step stats and the summary here")
     g.set_defaults(func=cmd_generate)
     convert_cmd.add_parser(sub)

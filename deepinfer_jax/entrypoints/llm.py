@@ -35,15 +35,22 @@ from deepinfer_jax.sampling.params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, mesh=None, model_seed: int = 0, progress: bool = True,
-                 **engine_config: Any):
+                 compile_cache=None, **engine_config: Any):
         """``model``: a model directory (safetensors or Orbax, with ``tokenizer.json`` for text
         prompts), a shipped model (default: the trained ``v41-small-code``) or a preset name
         (random weights). Keywords are ``EngineConfig`` fields; ``mesh`` a jax Mesh
-        (default: ``dp``/``cp`` from the config). ``model_seed``: the random weights of a preset."""
+        (default: ``dp``/``cp`` from the config). ``model_seed``: the random weights of a preset.
+        ``compile_cache``: JAX's persistent compilation cache, so that a later start loads the
+        compiled steps (a directory, ``True`` for ``~/.cache/deepinfer_jax/xla``, ``False``;
+        default ``$DEEPINFER_COMPILE_CACHE``, else off; process-wide, see ``compile_cache.py``)."""
         from deepinfer_jax.config import ModelConfig
+        from deepinfer_jax.entrypoints import compile_cache as cc
         from deepinfer_jax.models.registry import resolve_model
 
         ec = EngineConfig.from_kwargs(**engine_config)
+        cache_dir = cc.resolve(compile_cache)
+        if cache_dir is not None:
+            cc.enable(cache_dir)
         self.model_dir = resolve_model(model, seed=model_seed, progress=progress)
         self.model_config = ModelConfig.from_json(self.model_dir)
         import jax
