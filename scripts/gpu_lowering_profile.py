@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if args.out:
         import datetime
 
-        meta = {"model": args.model, "engine": kw, "jax": jax.__version__, "host_platform": "cpu",
+        meta = {"model": args.model, "engine": kw, "jax": jax.__version__, "host_platform": jax.default_backend(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
