@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-                       "jax": jax.__version__, "model": model, "args": vars(args), "num_draft_tokens": K,
+                       "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": model,
+                       "args": vars(args), "num_draft_tokens": K,
                        "rows": rows}, f, indent=1, default=str)
         if final:
             print(f"wrote {out}")
