@@ -9,11 +9,13 @@ is the lowered program, so a changed model, configuration or jax version compile
 
 The setting is process-wide (it is JAX's): every later compile of the process may use it. Only
 compiles that take at least a second are written (JAX's default threshold), and the directory is
-capped at ``MAX_BYTES`` (least recently used entries go first) unless the process set its own cap.
+capped at ``MAX_BYTES`` (least recently used entries go first) unless the process set its own cap
+or the ``filelock`` package JAX's cap needs is missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -58,7 +60,8 @@ def enable(path: str) -> None:
     if jax.config.jax_compilation_cache_dir == path:
         return
     jax.config.update("jax_compilation_cache_dir", path)
-    if jax.config.jax_compilation_cache_max_size == -1:
+    # JAX's size cap needs the filelock package (torch brings it; a bare install may not have it)
+    if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock") is not None:
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     # JAX decides once per process, at its first compile, whether a cache is in use: start over
     cc.reset_cache()
