@@ -54,32 +54,17 @@ def as_if_on_an_h200():
 
 
 def lower_variant(runner, T: int, R: int, Td: int | None) -> tuple[float, float, str]:
-    """(trace s, lower s, module text) of one step variant, lowered for CUDA."""
+    """(trace s, lower s, module text) of one step variant, lowered for CUDA: the runner's own
+    step and arguments (``ModelRunner.step_inputs`` / ``step_call``) on a padding-only step."""
     import jax
 
     from deepinfer_jax.base.scheduler_output import SchedulerOutput
-    from deepinfer_jax.runner.packed_input import pack
-    from deepinfer_jax.runner.step_inputs import build_step_input
 
     empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
-    inp = build_step_input(empty, num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=runner.cache_config,
-                           hasher=runner.hasher, vocab=runner.cfg.vocab_size, prompt_lp=False,
-                           spec_slots=runner.spec_slots)
-    bufs, layout = pack(inp)
+    fn, args, kw = runner.step_call(*runner.step_inputs(empty, T, R, Td), prompt_lp=False)
     t0 = time.perf_counter()
     with jax.set_mesh(runner.trace_mesh):
-        if runner.spec_slots:
-            ec = runner.ec
-            traced = runner._spec_step.trace(
-                runner.state_leaves, runner.cache, bufs, runner.spec_carry, runner.engram_tables, layout=layout,
-                num_logprobs=ec.max_logprobs, prompt_lp=False, kernels=runner.kernels, spec_slots=runner.spec_slots,
-                rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0),
-                batch_invariant=runner.batch_invariant)
-        else:
-            traced = runner._step.trace(
-                runner.state_leaves, runner.cache, bufs, runner.prev_sampled, runner.engram_tables, layout=layout,
-                num_logprobs=runner.ec.max_logprobs, prompt_lp=False, kernels=runner.kernels,
-                batch_invariant=runner.batch_invariant)
+        traced = fn.trace(*args, **kw)
         t1 = time.perf_counter()
         lowered = traced.lower(lowering_platforms=("cuda",))
     t2 = time.perf_counter()

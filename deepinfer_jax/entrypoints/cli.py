@@ -103,14 +103,17 @@ def cmd_generate(args) -> int:
         engine["token_buckets"] = tuple(parse_int_list("--token-buckets", args.token_buckets))
     if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
-    cache = False if args.no_compile_cache else (args.compile_cache or True)
-    if os.environ.get(compile_cache.ENV) is not None and not args.no_compile_cache and not args.compile_cache:
-        cache = None  # the environment decides
+    if args.no_compile_cache:
+        cache = False
+    elif args.compile_cache:
+        cache = args.compile_cache
+    else:  # on by default here; the environment, when set, decides
+        cache = None if compile_cache.ENV in os.environ else True
     try:
-        compile_cache.resolve(cache)
+        cache_dir = compile_cache.resolve(cache)
     except ValueError as e:
         raise CLIError("--compile-cache", str(e).split(": ", 1)[-1]) from None
-    llm = LLM(args.model, model_seed=args.model_seed, compile_cache=cache, **engine)
+    llm = LLM(args.model, model_seed=args.model_seed, compile_cache=cache_dir or False, **engine)
     outs = llm.generate(prompts, sp, use_tqdm=True)
     for o in outs:
         shown = repr(o.prompt) if o.prompt is not None else o.prompt_token_ids

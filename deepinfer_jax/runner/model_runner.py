@@ -224,33 +224,44 @@ class ModelRunner:
         return out
 
     # ------------------------------------------------------------------ steps
-    def _dispatch(self, sched, T: int, R: int, Td: int | None):
-        t_in = time.perf_counter()
-        prompt_lp = sched.wants_prompt_logprobs
+    def step_inputs(self, sched, T: int, R: int, Td: int | None):
+        """The step's packed input buffers and their static layout at bucket ``(T, R, Td)``."""
         inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
-                               prompt_lp=prompt_lp, spec_slots=self.spec_slots)
-        bufs, layout = pack(inp)  # a few transfers instead of one per array
+                               prompt_lp=sched.wants_prompt_logprobs, spec_slots=self.spec_slots)
+        return pack(inp)  # a few transfers instead of one per array
+
+    def step_call(self, bufs, layout, prompt_lp: bool):
+        """``(jitted step, args, kwargs)`` of one step on these inputs; the step returns
+        ``(cache, outputs, prompt logprobs, carry)``, the carry being the speculation state
+        (spec steps) or the sampled ids the next step reads its placeholders from."""
+        ec = self.ec
+        if self.spec_slots:
+            return self._spec_step, (self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables), dict(
+                layout=layout, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
+                spec_slots=self.spec_slots, rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0),
+                batch_invariant=self.batch_invariant)
+        return self._step, (self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables), dict(
+            layout=layout, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
+            batch_invariant=self.batch_invariant)
+
+    def _dispatch(self, sched, T: int, R: int, Td: int | None):
+        t_in = time.perf_counter()
+        bufs, layout = self.step_inputs(sched, T, R, Td)
         t0 = time.perf_counter()
         offsets = np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1].tolist()
-        if self.spec_slots:
-            with jax.set_mesh(self.trace_mesh), deferred_interrupts():
-                self.cache, out, plp, self.spec_carry = self._spec_step(
-                    self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables, layout=layout,
-                    num_logprobs=self.ec.max_logprobs,
-                    prompt_lp=prompt_lp, kernels=self.kernels, spec_slots=self.spec_slots, rule=self.ec.spec_rule,
-                    force_accept=float(self.ec.spec_force_accept or 0.0), batch_invariant=self.batch_invariant)
-            return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=True), t_in)
+        fn, args, kw = self.step_call(bufs, layout, sched.wants_prompt_logprobs)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
         # cache: a KeyboardInterrupt between the call and the store would leave ``self.cache``
         # deleted, so SIGINT is held until both are done
         with jax.set_mesh(self.trace_mesh), deferred_interrupts():
-            self.cache, out, plp, self.prev_sampled = self._step(
-                self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables, layout=layout,
-                num_logprobs=self.ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
-                batch_invariant=self.batch_invariant)
-        return self._timed(StepHandle(sched, out, plp, offsets, t0, T), t_in)
+            self.cache, out, plp, carry = fn(*args, **kw)
+            if self.spec_slots:
+                self.spec_carry = carry
+            else:
+                self.prev_sampled = carry
+        return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=bool(self.spec_slots)), t_in)
 
     @staticmethod
     def _timed(handle: StepHandle, t_inputs: float) -> StepHandle:

@@ -156,8 +156,6 @@ def rejected_tokens(batch, num_drafts_R: jax.Array, num_accepted_R: jax.Array) -
 def slot_bans(sb, ban_slots_R, K1: int):
     """``sb`` with its row bans ``[R, B]`` turned into per-slot bans ``[R, K+1, B]`` that hold on
     each row's first ``ban_slots_R`` slots (min_tokens ending inside the verification row)."""
-    if ban_slots_R is None:
-        return sb
     on_RK = jnp.arange(K1, dtype=jnp.int32)[None, :] < ban_slots_R[:, None]
     return dataclasses.replace(sb, banned_RB=jnp.where(on_RK[:, :, None], sb.banned_RB[:, None, :], -1))
 
