@@ -62,6 +62,7 @@ from jax import lax
 from deepinfer_jax.kernels_pallas import gmm_common, tiling
 from deepinfer_jax.kernels_pallas.tiling import GmmTiling
 from deepinfer_jax.base import quant
+from deepinfer_jax.sharding.manual import manual_axes
 
 try:  # Mosaic GPU ships with jax; keep the module importable anywhere (the ops hook imports us)
     from jax.experimental import pallas as pl
@@ -666,7 +667,7 @@ def moe_experts_op(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: 
     mesh = moe_ep.context_mesh()
     if mesh is not None and mesh.size > 1:
         return moe_ep.moe_experts_ep(moe_experts, *args, mesh=mesh)
-    if mesh is None and jax.device_count() > 1:
+    if mesh is None and jax.device_count() > 1 and not manual_axes():  # inside shard_map operands are local
         # operands may be sharded by GSPMD, which would gather every expert for a custom call
         # (the engine's runner always traces with its mesh, a one-device mesh included)
         ops.note_fallback("moe_experts", "several devices and no context mesh (jax.set_mesh)")

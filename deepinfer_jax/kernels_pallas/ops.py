@@ -249,5 +249,11 @@ def f32_matmul(x_TK, w_KN):
 
 
 def moe_experts(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float, n_experts: int):
-    return _pick("moe_experts", moe_gmm_ref.moe_experts_ref)(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt,
-                                                             swiglu_limit, n_experts)
+    fn = _pick("moe_experts", moe_gmm_ref.moe_experts_ref)
+    from deepinfer_jax.sharding.manual import manual_axes
+
+    if manual_axes():  # inside the attention-DP step: local experts, explicit exchange (moe_ep.py)
+        from deepinfer_jax.kernels_pallas import moe_ep
+
+        return moe_ep.moe_experts_dp(fn, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
+    return fn(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)

@@ -16,16 +16,25 @@ from flax import nnx
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.base import quant
 from deepinfer_jax.layers.linear import Linear
+from deepinfer_jax.sharding import manual
+from deepinfer_jax.sharding.partition import split_axes
 
 
 class EngramTable(nnx.Module):
     def __init__(self, rows: int, head_dim: int):
+        self.rows = rows  # the whole table's; inside the attention-DP step a device holds a slice
         self.weight = nnx.Param(jnp.zeros((rows, head_dim), jnp.float8_e4m3fn), logical_axes=("table_rows", None))
         self.scale = nnx.Param(jnp.full((rows, head_dim // 32), 127, jnp.uint8), logical_axes=("table_rows", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        v = jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
-        s = quant.e8m0_to_f32(jnp.take(self.scale[...], ids, axis=0))
+        w, sc = self.weight[...], self.scale[...]
+        if w.shape[0] < self.rows:  # rows split over the devices (shard_map): exchange lookups
+            axes = split_axes("table_rows", jax.sharding.get_abstract_mesh(), self.rows)
+            v, s = manual.gather_rows(w, ids, axes), manual.gather_rows(sc, ids, axes)
+        else:
+            v, s = jnp.take(w, ids, axis=0), jnp.take(sc, ids, axis=0)
+        v = v.astype(jnp.float32)
+        s = quant.e8m0_to_f32(s)
         v = v.reshape(*v.shape[:-1], s.shape[-1], 32) * s[..., None]
         return v.reshape(*ids.shape, -1).astype(jnp.bfloat16)
 

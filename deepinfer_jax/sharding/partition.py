@@ -95,6 +95,16 @@ def logical_to_spec(axes: Sequence[str | None] | None, mesh: Mesh, shape: Sequen
     return PartitionSpec(*spec)
 
 
+def split_axes(name: str, mesh, size: int) -> tuple[str, ...]:
+    """The mesh axes a dim of logical axis ``name`` and ``size`` is split over on ``mesh`` (as
+    ``logical_to_spec`` places it), in order; ``()`` when it is replicated."""
+    spec = logical_to_spec((name,), mesh, (size,))
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+        return ()
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
 def _logical_axes(var) -> tuple | None:
     try:
         md = var.get_metadata()
