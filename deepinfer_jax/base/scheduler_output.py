@@ -72,6 +72,9 @@ class SchedulerOutput:
     # structured output: row index -> int32 bitmask rows [num_drafts + 1, W] of that row's
     # sampled slots (the engine fills them after planning); None = no grammar row this step
     grammar_masks: dict[int, Any] | None = None
+    # attention DP: rows per dp rank, the rows listed rank by rank (host_scheduler/dp_scheduler.py);
+    # None = one rank
+    ranks: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

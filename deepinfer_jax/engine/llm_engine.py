@@ -81,7 +81,13 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         cfg = getattr(runner, "cfg", None)
         self.vocab_size = vocab_size if vocab_size is not None else getattr(cfg, "vocab_size", None)
-        self.scheduler = Scheduler(ec, history_tokens=getattr(runner, "history_tokens", 0))
+        dp = getattr(runner, "dp", 1)
+        if dp > 1:  # attention data parallel: a scheduler per rank (host_scheduler/dp_scheduler.py)
+            from deepinfer_jax.host_scheduler.dp_scheduler import DPScheduler
+
+            self.scheduler = DPScheduler(ec, dp, history_tokens=getattr(runner, "history_tokens", 0))
+        else:
+            self.scheduler = Scheduler(ec, history_tokens=getattr(runner, "history_tokens", 0))
         self.outputs = OutputProcessor(tokenizer, ec.max_model_len)
         self.stats = StatsLogger()
         self._states: dict[str, RequestState] = {}

@@ -48,6 +48,7 @@ kernels must keep that order).
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import numpy as np
@@ -60,9 +61,11 @@ from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  #
 
 
 class Scheduler:
-    def __init__(self, ec, max_model_len: int | None = None, history_tokens: int = 0):
+    def __init__(self, ec, max_model_len: int | None = None, history_tokens: int = 0, epochs=None):
         """``ec``: a resolved ``EngineConfig``; ``history_tokens``: tokens before each row's start
-        that its ``history`` carries (the runner's Engram look-back, ``max_ngram_size - 1``)."""
+        that its ``history`` carries (the runner's Engram look-back, ``max_ngram_size - 1``);
+        ``epochs``: an iterator of fresh epochs shared by schedulers whose requests must never
+        share one (the DP ranks, ``dp_scheduler.py``); default this scheduler's own count."""
         self.ec = ec
         self.max_model_len = max_model_len or ec.max_model_len
         self.history_tokens = history_tokens
@@ -73,7 +76,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.next_step_id = 0
         self.num_preemptions = 0
-        self._next_epoch = 0
+        self._epochs = itertools.count() if epochs is None else epochs
         # speculative decoding: drafts per verification row (0 = off); varlen planning needs
         # ``spec_sps`` (step tokens -> steps per second), set by the engine from the runner
         self.num_draft_tokens = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
@@ -113,11 +116,22 @@ class Scheduler:
     def _new_epoch(self) -> int:
         """Epochs are unique across requests: a stale row of an aborted request never matches a
         new request that reuses its id."""
-        self._next_epoch += 1
-        return self._next_epoch - 1
+        return next(self._epochs)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def prefix_hit_tokens(self, req: Request) -> int:
+        """Tokens of ``req``'s known tokens this scheduler's prefix cache holds now (no state
+        changes: the lookup is counted when the request is admitted)."""
+        if not self.ec.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0
+        self._update_hashes(req)
+        return len(self.pool.find_prefix(req.block_hashes, req.num_tokens)) * self.ec.block_tokens
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
