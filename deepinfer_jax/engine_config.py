@@ -49,7 +49,8 @@ _FIELD_TYPES = {
     "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
-    "dp": ("int", 1, False), "cp": ("int", 1, False), "precompile": ("bool", None, False),
+    "dp": ("int", 1, False), "cp": ("int", 1, False), "ep_scheme": ("str", None, False),
+    "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
     "spec_calibration": ("bool", None, False),
@@ -98,8 +99,16 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0                          # seeds requests that give no seed of their own
     kernels: str | None = None             # "auto" | "reference" | "ffi"; None: $DEEPINFER_KERNELS or "auto"
+    # the mesh (sharding/mesh.py). dp > 1: attention data parallel, each rank its own requests and
+    # cache (runner/dp_runner.py); max_num_seqs, num_blocks and max_num_batched_tokens are then
+    # per rank. The experts are split over dp x cp. cp > 1 alone: experts and Engram tables split
+    # over cp, attention replicated (balanced context parallelism is not built)
     dp: int = 1
     cp: int = 1
+    # attention DP: how tokens reach their experts (kernels_pallas/moe_ep.py): "a2a" (each
+    # (token, slot) to the device owning its expert, ragged all-to-all) or "psum" (all tokens to
+    # every device, an exact sum back); the outputs are bit-identical
+    ep_scheme: str = "a2a"
     precompile: bool = True                # compile every bucket at start-up
     # a request's logits (and, with its seed, its tokens) do not depend on the other requests of
     # its steps, the padded step size or its prompt's chunking (base/batch_invariant.py; costs
@@ -161,6 +170,8 @@ class EngineConfig:
                 self._bad(f, "must be an integer >= 1")
         if self.yoco_truncation not in YOCO_MODES:
             self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
+        if self.ep_scheme not in ("a2a", "psum"):
+            self._bad("ep_scheme", "expected 'a2a' or 'psum'")
         if self.kernels not in (None, "auto", "reference", "ffi"):
             self._bad("kernels", "expected 'auto', 'reference' or 'ffi'")
         from deepinfer_jax.base.quant import INDEX_KEY_DTYPES

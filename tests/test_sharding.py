@@ -191,46 +191,6 @@ def test_sharded_forward_matches_single_device(ckpt, tmp_path):
     assert np.isfinite(ref_logits).all()
 
 
-_ENGINE_SCRIPT = """
-import json
-import numpy as np
-from deepinfer_jax import LLM, SamplingParams
-kw = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,), max_model_len=256, progress=False)
-rng = np.random.default_rng(0)
-prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 90, size=6)]
-sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-llm = LLM({ckpt!r}, dp={dp}, cp={cp}, **kw)
-leaves = llm.runner.state_leaves
-assert any(len(x.sharding.device_set) == {n_dev} and not x.sharding.is_fully_replicated for x in leaves)
-print(json.dumps([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]))
-"""
-
-
-def test_engine_on_a_dp_cp_mesh_matches_one_device(ckpt):
-    """``LLM(dp=4, cp=2)`` on 8 CPU devices (sharded experts and Engram tables) generates the same
-    greedy tokens as one device."""
-    import json
-
-    from deepinfer_jax import LLM, SamplingParams
-
-    code = _ENGINE_SCRIPT.format(ckpt=str(ckpt), dp=DP, cp=CP, n_dev=N_DEV)
-    proc = subprocess.Popen([sys.executable, "-c", code], env=_subprocess_env(), cwd=str(TESTS_DIR.parent),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(5, 90, size=6)]
-        llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,), max_model_len=256,
-                  progress=False)
-        ref = [o.outputs[0].token_ids for o in
-               llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
-        so, se = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, f"8-device engine run failed:\n{so[-3000:]}\n{se[-6000:]}"
-    assert json.loads(so.strip().splitlines()[-1]) == ref
-
-
 # ---------------------------------------------------------------- unit tests
 def test_logical_to_spec_rules_and_fallback():
     mesh = AbstractMesh((DP, CP), ("dp", "cp"))

@@ -69,7 +69,12 @@ class LLM:
         from deepinfer_jax.engine.llm_engine import LLMEngine
         from deepinfer_jax.runner.model_runner import ModelRunner
 
-        self.runner = ModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
+        if mesh is not None and mesh.shape.get("dp", 1) > 1:  # attention data parallel
+            from deepinfer_jax.runner.dp_runner import DPModelRunner
+
+            self.runner = DPModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
+        else:
+            self.runner = ModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
         self.compile_time_s = self.runner.warmup(progress) if ec.precompile else 0.0
         tok_json = os.path.join(self.model_dir, "tokenizer.json")
         self.engine = LLMEngine(self.runner, ec, self.tokenizer, self.model_config.eos_token_id,

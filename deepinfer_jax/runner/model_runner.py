@@ -31,6 +31,7 @@ from deepinfer_jax.models.cache import CacheConfig, allocate_cache
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_hash
 from deepinfer_jax.runner.packed_input import PackedLayout, pack, unpack
+from deepinfer_jax.runner.row_update import pad_rows
 from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
@@ -59,7 +60,7 @@ def _step_body(graphdef, state_treedef, state_leaves, cache, inp: StepInput, pre
     R = inp.sampling.temperature.shape[0]
     out = sample(logits[:R], inp.sampling, num_logprobs, inp.allowed_RW, batch_invariant=bi.enabled())
     # the next step's placeholders index this step's rows: keep a fixed-size copy
-    sampled_full = jnp.zeros_like(prev_sampled_R).at[:R].set(out.token_ids)
+    sampled_full = pad_rows(out.token_ids, prev_sampled_R.shape[0])
     plp = prompt_logprobs(logits[R:], inp.prompt_targets, num_logprobs) if prompt_lp else None
     return cache, out, plp, sampled_full
 
@@ -115,8 +116,12 @@ class StepResult:
 class StepHandle:
     """A dispatched step: its plan, padded size, dispatch time and (after ``fetch``) done time."""
 
-    def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int, spec: bool = False):
+    def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int, spec: bool = False,
+                 row_index=None):
+        """``row_index``: the output row of each of the plan's rows (attention DP: rank ``k``'s
+        ``j``-th row is row ``k*R + j``); ``None``: row ``i`` is row ``i``."""
         self.sched, self._out, self._plp, self._offsets = sched, out, plp, offsets
+        self._row_index = row_index
         self.spec = spec
         self.t_dispatch, self.bucket_tokens = t_dispatch, bucket_tokens
         self.t_done: float | None = None
@@ -131,6 +136,8 @@ class StepHandle:
         o = jax.device_get(self._out)
         p = jax.device_get(self._plp) if self._plp is not None else (None, None, None)
         self.t_done = time.perf_counter()
+        if self._row_index is not None:
+            o = jax.tree.map(lambda a: np.asarray(a)[self._row_index], o)
         if self.spec:
             return SpecStepResult(*(np.asarray(x) for x in (o.num_accepted, o.token_ids, o.logprob, o.top_ids,
                                                             o.top_logprobs, o.draft_ids, o.draft_conf)),
@@ -140,6 +147,8 @@ class StepHandle:
 
 
 class ModelRunner:
+    dp = 1  # attention data-parallel ranks (runner/dp_runner.py)
+
     def __init__(self, model_dir: str, ec, *, cfg: ModelConfig | None = None, mesh=None, progress: bool = True):
         """``ec``: a resolved ``EngineConfig``."""
         from deepinfer_jax.models.weights import load_model
@@ -157,6 +166,7 @@ class ModelRunner:
         model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
+        self.state_treedef = state_treedef
         self._step = step_function(self.graphdef, state_treedef, batch_invariant=self.batch_invariant)
         # speculative decoding: verification rows of 1 + spec_slots tokens (0 = off)
         self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
@@ -167,13 +177,7 @@ class ModelRunner:
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
                                         index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
-        self.cache = allocate_cache(self.cfg, self.cache_config)
-        if mesh is not None:
-            from deepinfer_jax.sharding.partition import shard_cache
-
-            self.cache = shard_cache(self.cache, mesh)
-        else:
-            self.cache = self._committed(self.cache)
+        self.cache = self._allocate_cache()
         self.hasher, self.engram_tables = None, None
         if self.cfg.engram_enabled:
             tok = os.path.join(model_dir, "tokenizer.json")
@@ -185,6 +189,14 @@ class ModelRunner:
         self.prev_sampled = self._committed(jnp.zeros((self.num_rows,), jnp.int32))
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
+
+    def _allocate_cache(self):
+        cache = allocate_cache(self.cfg, self.cache_config)
+        if self.mesh is not None:
+            from deepinfer_jax.sharding.partition import shard_cache
+
+            return shard_cache(cache, self.mesh)
+        return self._committed(cache)
 
     def _committed(self, tree):
         """``tree`` placed on the step's devices: the arrays the step carries (cache, sampled
@@ -245,11 +257,15 @@ class ModelRunner:
             layout=layout, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp, kernels=self.kernels,
             batch_invariant=self.batch_invariant)
 
+    def row_map(self, sched, T: int, R: int):
+        """(flat token offset of each row in the step's outputs, output row of each row or None)."""
+        return np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1].tolist(), None
+
     def _dispatch(self, sched, T: int, R: int, Td: int | None):
         t_in = time.perf_counter()
         bufs, layout = self.step_inputs(sched, T, R, Td)
         t0 = time.perf_counter()
-        offsets = np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1].tolist()
+        offsets, row_index = self.row_map(sched, T, R)
         fn, args, kw = self.step_call(bufs, layout, sched.wants_prompt_logprobs)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
@@ -261,7 +277,8 @@ class ModelRunner:
                 self.spec_carry = carry
             else:
                 self.prev_sampled = carry
-        return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=bool(self.spec_slots)), t_in)
+        return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=bool(self.spec_slots),
+                                      row_index=row_index), t_in)
 
     @staticmethod
     def _timed(handle: StepHandle, t_inputs: float) -> StepHandle:

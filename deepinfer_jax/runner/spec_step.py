@@ -33,6 +33,7 @@ from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.models.cache import cache_block_tokens
 from deepinfer_jax.models.cache_undo import apply_undo, fence, record_undo
+from deepinfer_jax.runner.row_update import set_rows
 from deepinfer_jax.sampling.sampler import prompt_logprobs
 from deepinfer_jax.sampling.spec_verify import verify_drafts
 
@@ -185,10 +186,10 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
     nxt = model.draft(cache, jnp.maximum(last_tok, 0), last_pos, b.row_slot[:R])
     out = SpecStepOutput(ver.num_accepted, ver.token_ids, ver.logprob, ver.top_ids, ver.top_logprobs,
                          nxt.token_ids[:, 1:1 + K], nxt.confidence[:, :K].astype(jnp.float32))
-    new_carry = SpecCarry(carry.num_accepted.at[:R].set(ver.num_accepted),
-                          carry.num_drafts.at[:R].set(jnp.clip(inp.num_drafts_R, 0, K)),
-                          carry.token_ids.at[:R].set(jnp.maximum(ver.token_ids, 0)),
-                          carry.draft_ids.at[:R].set(out.draft_ids))
+    new_carry = SpecCarry(set_rows(carry.num_accepted, ver.num_accepted),
+                          set_rows(carry.num_drafts, jnp.clip(inp.num_drafts_R, 0, K)),
+                          set_rows(carry.token_ids, jnp.maximum(ver.token_ids, 0)),
+                          set_rows(carry.draft_ids, out.draft_ids))
     plp = prompt_logprobs(logits[R * K1:], inp.prompt_targets, num_logprobs) if prompt_lp else None
     return cache, out, plp, new_carry
 

@@ -61,9 +61,18 @@ def pick_bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} tokens exceed the largest bucket {buckets[-1]}")
 
 
+def banned_width(sched) -> int:
+    """Banned ids per sampler row of a step: ``NUM_BANNED``, or more when a row bans more."""
+    return max(NUM_BANNED, max((len(r.banned) for r in sched.rows), default=0))
+
+
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
-                     cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0) -> StepInput:
+                     cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0,
+                     num_banned: int | None = None, with_masks: bool | None = None) -> StepInput:
     """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes.
+    ``num_banned`` (default ``banned_width(sched)``) and ``with_masks`` (default: whether a row
+    has a grammar mask) fix those parts of the layout, so that the DP ranks' inputs of one step
+    share it.
 
     Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
     once into arrays, the Engram hashes of every known token and the partial hashes of every
@@ -147,13 +156,14 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     for i in np.flatnonzero(sample_R):
         r = rows[i]
         srows[i] = SampleRow(r.params, r.seed, r.sample_position, r.banned)
-    longest = max((len(r.banned) for r in rows), default=0)
-    sampling = build_sampling_batch(srows, num_rows, vocab, num_banned=max(NUM_BANNED, longest))
+    sampling = build_sampling_batch(srows, num_rows, vocab,
+                                    num_banned=banned_width(sched) if num_banned is None else num_banned)
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
     allowed = None
     masks = sched.grammar_masks
-    if masks:
+    if with_masks if with_masks is not None else bool(masks):
+        masks = masks or {}
         W = -(-vocab // 32)
         allowed = np.full((num_rows, K + 1, W), -1, np.int32)
         for i, m in masks.items():

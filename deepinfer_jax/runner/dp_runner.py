@@ -1,0 +1,175 @@
+"""Attention data parallel on the device: one jitted step, ``shard_map`` over the whole mesh.
+
+``DPModelRunner`` is the ``ModelRunner`` of a mesh with ``dp > 1`` (FEATURES §6). Each dp rank
+owns its requests (``host_scheduler/dp_scheduler.py``) and their cache: every cache array is
+``[dp * S, ...]`` (slots) or ``[dp * B, ...]`` (blocks), split over ``dp``, so a rank's devices
+hold only its own slots and blocks (replicated over the rank's cp devices) and a rank's rows
+name local slot and block ids. One step:
+
+* the host builds every rank's ``StepInput`` at one per-rank bucket (the largest any rank
+  needs; every rank pads to it), packs each, and sends them stacked ``[dp, n]``, split over
+  ``dp``;
+* under ``shard_map`` every mesh axis is manual and each device runs the unchanged step body on
+  its rank's rows: embedding, attention over its own cache, everything before the MoE. No
+  device reads another rank's KV;
+* the routed experts are split over the expert-parallel group (``dp x cp``); ``ops.moe_experts``
+  sees the manual axes and exchanges tokens explicitly (``kernels_pallas/moe_ep.py``,
+  ``moe_experts_dp``: ``EngineConfig.ep_scheme`` "a2a" or "psum", bit-identical), and the
+  row-split Engram tables answer lookups with an exact sum-scatter (``sharding/manual.py``);
+* outputs come back ``[dp * R, ...]``; rank ``k``'s ``j``-th row is row ``k*R + j``
+  (``row_map``, ``StepHandle(row_index=...)``).
+
+The cp devices of a rank run its attention redundantly (balanced context parallelism, which
+would split long prefills over them, is not built); they each send a distinct share of the
+rank's tokens to the experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from deepinfer_jax.base import batch_invariant as bi
+from deepinfer_jax.base.scheduler_output import SchedulerOutput
+from deepinfer_jax.kernels_pallas import moe_ep
+from deepinfer_jax.models.cache import CacheConfig, allocate_cache
+from deepinfer_jax.runner.model_runner import ModelRunner, _step_impl
+from deepinfer_jax.runner.packed_input import pack, unpack
+from deepinfer_jax.runner.spec_step import SpecCarry, spec_step_impl
+from deepinfer_jax.runner.step_inputs import banned_width, build_step_input, pick_bucket
+
+DP = P("dp")
+
+
+def _dp_step(graphdef, state_treedef, leaf_specs, mesh, impl, state_leaves, cache, bufs, carry, engram_tables, *,
+             layout, scheme: str, **kw):
+    """One step of every rank: ``impl`` (the plain or the spec step body) per device under
+    ``shard_map``; ``bufs`` are the ranks' packed inputs ``[dp, n]``, ``cache`` and ``carry``
+    the ranks' state split over ``dp``."""
+    def body(leaves, cache_, bufs_, carry_, tables):
+        with moe_ep.use_scheme(scheme):
+            inp = unpack(tuple(b[0] for b in bufs_), layout)
+            return impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(list(leaf_specs), DP, DP, DP, P()), out_specs=DP,
+                         check_vma=False)(state_leaves, cache, bufs, carry, engram_tables)
+
+
+_DP_FNS: dict = {}
+
+
+def dp_step_function(graphdef, state_treedef, leaf_specs, mesh, spec: bool = False, batch_invariant: bool = False):
+    """The jitted DP step of one model structure on ``mesh`` (cached like ``step_function``)."""
+    key = (graphdef, state_treedef, tuple(leaf_specs), mesh, spec, batch_invariant)
+    fn = _DP_FNS.get(key)
+    if fn is None:
+        opts = bi.compiler_options(jax.default_backend()) if batch_invariant else None
+        impl = spec_step_impl if spec else _step_impl
+        statics = ("layout", "scheme", "num_logprobs", "prompt_lp", "kernels", "batch_invariant")
+        if spec:
+            statics += ("spec_slots", "rule", "force_accept")
+        fn = jax.jit(functools.partial(_dp_step, graphdef, state_treedef, tuple(leaf_specs), mesh, impl),
+                     static_argnames=statics, donate_argnames=("cache",), compiler_options=opts)
+        _DP_FNS[key] = fn
+    return fn
+
+
+def _spec_of(x) -> P:
+    sh = getattr(x, "sharding", None)
+    return sh.spec if isinstance(sh, NamedSharding) else P()
+
+
+class DPModelRunner(ModelRunner):
+    """``ModelRunner`` over a mesh with ``dp > 1`` (module docstring). ``EngineConfig`` sizes
+    (``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``) are per rank."""
+
+    def __init__(self, model_dir: str, ec, *, cfg=None, mesh, progress: bool = True):
+        if mesh is None or "dp" not in mesh.shape or mesh.shape["dp"] < 2:
+            raise ValueError(f"DPModelRunner: needs a mesh with dp > 1, got {None if mesh is None else dict(mesh.shape)}")
+        self.dp = int(mesh.shape["dp"])
+        super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
+        self.ep_scheme = ec.ep_scheme
+        leaf_specs = [_spec_of(x) for x in self.state_leaves]
+        state_treedef = self.state_treedef
+        self._dp_step = dp_step_function(self.graphdef, state_treedef, leaf_specs, mesh,
+                                         batch_invariant=self.batch_invariant)
+        rows = NamedSharding(mesh, DP)
+        self.prev_sampled = jax.device_put(jnp.zeros((self.dp * self.num_rows,), jnp.int32), rows)
+        if self.spec_slots:
+            self._dp_spec_step = dp_step_function(self.graphdef, state_treedef, leaf_specs, mesh, spec=True,
+                                                  batch_invariant=self.batch_invariant)
+            self.spec_carry = jax.device_put(SpecCarry.empty(self.dp * ec.max_num_seqs, self.spec_slots), rows)
+
+    def _allocate_cache(self):
+        cc = self.cache_config
+        whole = CacheConfig(num_slots=self.dp * cc.num_slots, num_blocks=self.dp * cc.num_blocks,
+                            block_tokens=cc.block_tokens, max_blocks_per_seq=cc.max_blocks_per_seq,
+                            index_key_dtype=cc.index_key_dtype, spec_tokens=cc.spec_tokens)
+        shape = jax.eval_shape(lambda: allocate_cache(self.cfg, whole))
+        out = jax.tree.map(lambda _: NamedSharding(self.mesh, DP), shape)
+        # made in place on every rank's devices (no whole copy on one device first)
+        return jax.jit(lambda: allocate_cache(self.cfg, whole), out_shardings=out)()
+
+    # ------------------------------------------------------------------ buckets
+    def _rank_plans(self, sched) -> list[SchedulerOutput]:
+        """``sched`` split into one plan per rank (local row indices, grammar masks renumbered)."""
+        counts = sched.ranks if sched.ranks is not None else (len(sched.rows),) + (0,) * (self.dp - 1)
+        if len(counts) != self.dp or sum(counts) != len(sched.rows):
+            raise ValueError(f"DPModelRunner: plan of {len(sched.rows)} rows with ranks={sched.ranks}, "
+                             f"expected {self.dp} ranks")
+        plans, first = [], 0
+        for n in counts:
+            masks = None
+            if sched.grammar_masks:
+                masks = {i - first: m for i, m in sched.grammar_masks.items() if first <= i < first + n} or None
+            plans.append(SchedulerOutput(sched.step_id, sched.rows[first:first + n], [], 0, [], grammar_masks=masks))
+            first += n
+        return plans
+
+    def buckets_of(self, sched) -> tuple[int, int, int | None]:
+        """The per-rank bucket: the largest any rank's rows need (every rank pads to it)."""
+        plans = self._rank_plans(sched)
+        T = max(pick_bucket(p.num_tokens, self.ec.token_buckets) for p in plans)
+        R = max(pick_bucket(max(len(p.rows), 1), self.ec.row_buckets) for p in plans)
+        Td = None
+        if self.compact:
+            need = max(max(p.num_decoder_tokens for p in plans), 1)
+            Td = next((b for b in self.ec.decoder_buckets if need <= b < T), T)
+        return T, R, Td
+
+    # ------------------------------------------------------------------ steps
+    def step_inputs(self, sched, T: int, R: int, Td: int | None):
+        """Every rank's packed inputs at the per-rank bucket, stacked ``[dp, n]`` and split over ``dp``."""
+        plans = self._rank_plans(sched)
+        common = dict(num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=self.cache_config,
+                      hasher=self.hasher, vocab=self.cfg.vocab_size, prompt_lp=sched.wants_prompt_logprobs,
+                      spec_slots=self.spec_slots, num_banned=banned_width(sched),
+                      with_masks=bool(sched.grammar_masks))
+        packed = [pack(build_step_input(p, **common)) for p in plans]
+        layout = packed[0][1]
+        bufs = tuple(np.stack([b[i] for b, _ in packed]) for i in range(len(packed[0][0])))
+        return jax.device_put(bufs, NamedSharding(self.mesh, DP)), layout
+
+    def step_call(self, bufs, layout, prompt_lp: bool):
+        ec = self.ec
+        kw = dict(layout=layout, scheme=self.ep_scheme, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp,
+                  kernels=self.kernels, batch_invariant=self.batch_invariant)
+        if self.spec_slots:
+            return self._dp_spec_step, (self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables), dict(
+                kw, spec_slots=self.spec_slots, rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0))
+        return self._dp_step, (self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables), kw
+
+    def row_map(self, sched, T: int, R: int):
+        """Rank ``k``'s ``j``-th row is output row ``k*R + j``; its tokens start at ``k*T``."""
+        offsets, index = [], []
+        for k, p in enumerate(self._rank_plans(sched)):
+            off = 0
+            for j, r in enumerate(p.rows):
+                offsets.append(k * T + off)
+                index.append(k * R + j)
+                off += r.num_tokens
+        return offsets, np.asarray(index, np.int64)
