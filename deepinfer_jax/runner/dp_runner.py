@@ -88,8 +88,8 @@ class DPModelRunner(ModelRunner):
     (``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``) are per rank."""
 
     def __init__(self, model_dir: str, ec, *, cfg=None, mesh, progress: bool = True):
-        if mesh is None or "dp" not in mesh.shape or mesh.shape["dp"] < 2:
-            raise ValueError(f"DPModelRunner: needs a mesh with dp > 1, got {None if mesh is None else dict(mesh.shape)}")
+        if mesh is None or "dp" not in mesh.shape:  # dp = 1 runs the DP program on one rank (its benchmark)
+            raise ValueError(f"DPModelRunner: needs a mesh with a 'dp' axis, got {None if mesh is None else dict(mesh.shape)}")
         self.dp = int(mesh.shape["dp"])
         super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
         self.ep_scheme = ec.ep_scheme
@@ -116,7 +116,16 @@ class DPModelRunner(ModelRunner):
 
     # ------------------------------------------------------------------ buckets
     def _rank_plans(self, sched) -> list[SchedulerOutput]:
-        """``sched`` split into one plan per rank (local row indices, grammar masks renumbered)."""
+        """``sched`` split into one plan per rank (local row indices, grammar masks renumbered);
+        kept for the step being dispatched (buckets, inputs and row map all ask)."""
+        memo = getattr(self, "_plans_memo", None)
+        if memo is not None and memo[0] is sched:
+            return memo[1]
+        plans = self._split(sched)
+        self._plans_memo = (sched, plans)
+        return plans
+
+    def _split(self, sched) -> list[SchedulerOutput]:
         counts = sched.ranks if sched.ranks is not None else (len(sched.rows),) + (0,) * (self.dp - 1)
         if len(counts) != self.dp or sum(counts) != len(sched.rows):
             raise ValueError(f"DPModelRunner: plan of {len(sched.rows)} rows with ranks={sched.ranks}, "
@@ -152,6 +161,8 @@ class DPModelRunner(ModelRunner):
         packed = [pack(build_step_input(p, **common)) for p in plans]
         layout = packed[0][1]
         bufs = tuple(np.stack([b[i] for b, _ in packed]) for i in range(len(packed[0][0])))
+        if self.mesh.size == 1:  # one device: the jitted call transfers them as it does the plain step's
+            return bufs, layout
         return jax.device_put(bufs, NamedSharding(self.mesh, DP)), layout
 
     def step_call(self, bufs, layout, prompt_lp: bool):
@@ -165,6 +176,8 @@ class DPModelRunner(ModelRunner):
 
     def row_map(self, sched, T: int, R: int):
         """Rank ``k``'s ``j``-th row is output row ``k*R + j``; its tokens start at ``k*T``."""
+        if self.dp == 1:
+            return super().row_map(sched, T, R)
         offsets, index = [], []
         for k, p in enumerate(self._rank_plans(sched)):
             off = 0
