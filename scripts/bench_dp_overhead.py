@@ -78,8 +78,11 @@ def main(argv=None) -> int:
                 s = eng.stats.summary()
                 tokens.setdefault(name, sorted((o.request_id, tuple(o.outputs[0].token_ids)) for o in outs))
                 decode = [x.step_time_s for x in eng.stats.steps if x.num_prefill_tokens == 0]
+                st = eng.stats.steps
                 rec = dict(wall_s=wall, gen_tok_s=s["generated_tokens"] / wall, steps=s["steps"],
-                           decode_step_p50_ms=1e3 * float(np.median(decode)) if decode else None)
+                           decode_step_p50_ms=1e3 * float(np.median(decode)) if decode else None,
+                           inputs_ms=1e3 * float(np.mean([x.inputs_s for x in st])),
+                           call_ms=1e3 * float(np.mean([x.call_s for x in st])))
                 key = (name, mode)
                 prev = best.get(key)
                 if prev is None or rec["wall_s"] < prev["wall_s"]:
@@ -89,13 +92,15 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, model {model_dir}")
     print(f"workload: {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} output tokens, "
           f"max_num_seqs {ec.max_num_seqs}; best of {args.repeats}; same tokens: {same}")
-    print(f"{'runner':8} {'mode':6} {'gen tok/s':>10} {'wall s':>8} {'decode step p50 ms':>19} {'vs plain':>9}")
+    print(f"{'runner':8} {'mode':6} {'gen tok/s':>10} {'wall s':>8} {'decode step p50 ms':>19} {'vs plain':>9} "
+          f"{'inputs ms':>10} {'call ms':>8}")
     for (name, mode), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0] != "plain")):
         base = best[("plain", mode)]
         ratio = r["wall_s"] / base["wall_s"]
         rows.append(dict(runner=name, mode=mode, **r, wall_vs_plain=ratio))
         p50 = f"{r['decode_step_p50_ms']:.2f}" if r["decode_step_p50_ms"] is not None else "-"
-        print(f"{name:8} {mode:6} {r['gen_tok_s']:10.1f} {r['wall_s']:8.3f} {p50:>19} {ratio:9.3f}")
+        print(f"{name:8} {mode:6} {r['gen_tok_s']:10.1f} {r['wall_s']:8.3f} {p50:>19} {ratio:9.3f} "
+              f"{r['inputs_ms']:10.2f} {r['call_ms']:8.2f}")
     out = args.out or os.path.join("benchmarks", "results", f"dp_overhead_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
