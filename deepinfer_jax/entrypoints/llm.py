@@ -69,7 +69,9 @@ class LLM:
         from deepinfer_jax.engine.llm_engine import LLMEngine
         from deepinfer_jax.runner.model_runner import ModelRunner
 
-        if mesh is not None and mesh.shape.get("dp", 1) > 1:  # attention data parallel
+        # attention data parallel; a multi-process mesh always takes the DP program (its outputs
+        # come back to every process)
+        if mesh is not None and (mesh.shape.get("dp", 1) > 1 or jax.process_count() > 1):
             from deepinfer_jax.runner.dp_runner import DPModelRunner
 
             self.runner = DPModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)

@@ -46,16 +46,21 @@ DP = P("dp")
 
 
 def _dp_step(graphdef, state_treedef, leaf_specs, mesh, impl, state_leaves, cache, bufs, carry, engram_tables, *,
-             layout, scheme: str, **kw):
+             layout, scheme: str, gather: bool, **kw):
     """One step of every rank: ``impl`` (the plain or the spec step body) per device under
     ``shard_map``; ``bufs`` are the ranks' packed inputs ``[dp, n]``, ``cache`` and ``carry``
-    the ranks' state split over ``dp``."""
+    the ranks' state split over ``dp``. ``gather``: the outputs come back replicated (all-gathered
+    over ``dp``), so that every process of a multi-process mesh can read all of them."""
     def body(leaves, cache_, bufs_, carry_, tables):
         with moe_ep.use_scheme(scheme):
             inp = unpack(tuple(b[0] for b in bufs_), layout)
-            return impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+            cache_, out, plp, carry_ = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+        if gather:
+            out, plp = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", tiled=True), (out, plp))
+        return cache_, out, plp, carry_
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(list(leaf_specs), DP, DP, DP, P()), out_specs=DP,
+    res = P() if gather else DP
+    return jax.shard_map(body, mesh=mesh, in_specs=(list(leaf_specs), DP, DP, DP, P()), out_specs=(DP, res, res, DP),
                          check_vma=False)(state_leaves, cache, bufs, carry, engram_tables)
 
 
@@ -69,7 +74,7 @@ def dp_step_function(graphdef, state_treedef, leaf_specs, mesh, spec: bool = Fal
     if fn is None:
         opts = bi.compiler_options(jax.default_backend()) if batch_invariant else None
         impl = spec_step_impl if spec else _step_impl
-        statics = ("layout", "scheme", "num_logprobs", "prompt_lp", "kernels", "batch_invariant")
+        statics = ("layout", "scheme", "gather", "num_logprobs", "prompt_lp", "kernels", "batch_invariant")
         if spec:
             statics += ("spec_slots", "rule", "force_accept")
         fn = jax.jit(functools.partial(_dp_step, graphdef, state_treedef, tuple(leaf_specs), mesh, impl),
@@ -91,6 +96,10 @@ class DPModelRunner(ModelRunner):
         if mesh is None or "dp" not in mesh.shape:  # dp = 1 runs the DP program on one rank (its benchmark)
             raise ValueError(f"DPModelRunner: needs a mesh with a 'dp' axis, got {None if mesh is None else dict(mesh.shape)}")
         self.dp = int(mesh.shape["dp"])
+        if jax.process_count() > 1 and getattr(ec, "spec_decode", "off") == "dspark" and ec.spec_varlen:
+            raise ValueError("EngineConfig.spec_varlen=True: on a multi-process mesh every process plans its "
+                             "verification lengths from its own step-time measurements, so the plans would "
+                             "differ between processes; use spec_varlen=False")
         super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
         self.ep_scheme = ec.ep_scheme
         leaf_specs = [_spec_of(x) for x in self.state_leaves]
@@ -98,11 +107,15 @@ class DPModelRunner(ModelRunner):
         self._dp_step = dp_step_function(self.graphdef, state_treedef, leaf_specs, mesh,
                                          batch_invariant=self.batch_invariant)
         rows = NamedSharding(mesh, DP)
-        self.prev_sampled = jax.device_put(jnp.zeros((self.dp * self.num_rows,), jnp.int32), rows)
+        host = lambda tree: jax.tree.map(np.asarray, tree)  # host arrays: every process passes the same
+        self.prev_sampled = jax.device_put(np.zeros((self.dp * self.num_rows,), np.int32), rows)
         if self.spec_slots:
             self._dp_spec_step = dp_step_function(self.graphdef, state_treedef, leaf_specs, mesh, spec=True,
                                                   batch_invariant=self.batch_invariant)
-            self.spec_carry = jax.device_put(SpecCarry.empty(self.dp * ec.max_num_seqs, self.spec_slots), rows)
+            self.spec_carry = jax.device_put(host(SpecCarry.empty(self.dp * ec.max_num_seqs, self.spec_slots)), rows)
+        if self.engram_tables is not None:
+            self.engram_tables = jax.device_put(host(self.engram_tables), NamedSharding(mesh, P()))
+        self.gather_outputs = jax.process_count() > 1
 
     def _allocate_cache(self):
         cc = self.cache_config
@@ -167,7 +180,7 @@ class DPModelRunner(ModelRunner):
 
     def step_call(self, bufs, layout, prompt_lp: bool):
         ec = self.ec
-        kw = dict(layout=layout, scheme=self.ep_scheme, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp,
+        kw = dict(layout=layout, scheme=self.ep_scheme, gather=self.gather_outputs, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp,
                   kernels=self.kernels, batch_invariant=self.batch_invariant)
         if self.spec_slots:
             return self._dp_spec_step, (self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables), dict(
@@ -175,7 +188,8 @@ class DPModelRunner(ModelRunner):
         return self._dp_step, (self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables), kw
 
     def row_map(self, sched, T: int, R: int):
-        """Rank ``k``'s ``j``-th row is output row ``k*R + j``; its tokens start at ``k*T``."""
+        """Rank ``k``'s ``j``-th row is output row ``k*R + j``; its tokens start at ``k*T`` (the
+        outputs are ``[dp * R, ...]``, gathered or split over ``dp``)."""
         if self.dp == 1:
             return super().row_map(sched, T, R)
         offsets, index = [], []

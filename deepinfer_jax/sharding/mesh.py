@@ -5,8 +5,10 @@
 * ``ep`` is not a mesh axis of its own: the expert-parallel group is the flattened ``dp x cp``
   group, i.e. logical ``"expert"`` maps to the mesh axes ``("dp", "cp")`` (``partition.py``).
 
-Multi-host: call ``jax.distributed.initialize()`` first; ``make_mesh`` then spans
-``jax.devices()`` (all hosts' devices) - the same program, more devices.
+Multi-host: call ``initialize_distributed`` (``jax.distributed.initialize``) in every process
+first; ``make_mesh`` then spans ``jax.devices()`` (all processes' devices) - the same program,
+more devices. Every process runs the same engine on the same requests (the host schedulers
+plan identically) and gets every output.
 """
 
 from __future__ import annotations
@@ -68,3 +70,17 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence | None = None) -> Mesh
     except Exception:  # topology helper does not know this platform / shape: plain order
         grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, **kw) -> None:
+    """``jax.distributed.initialize`` for a multi-process mesh, before any other JAX call. On CPU
+    it also selects the gloo collectives (XLA:CPU has no cross-process collectives without
+    them). Arguments as ``jax.distributed.initialize``; on a cluster it finds them itself
+    (SLURM, Open MPI, ...)."""
+    import os
+
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] in ("cpu", ""):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, **kw)
