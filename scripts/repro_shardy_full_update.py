@@ -1,4 +1,5 @@
-"""A segmentation fault in XLA's Shardy partitioner (jax 0.11.2; see runner/row_update.py).
+"""A segmentation fault in XLA's Shardy partitioner (jax 0.11.2, fixed in 0.12.0.1; see
+runner/row_update.py).
 
 Inside ``shard_map``, ``zeros.at[:n].set(y)`` where ``n`` is the whole (local) row count crashes
 the compile; one row fewer compiles. The DP step avoids the full-size update (``set_rows``).

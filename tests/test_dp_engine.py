@@ -4,7 +4,8 @@ One subprocess with ``--xla_force_host_platform_device_count=8`` (JAX in this pr
 run on one device) serves a mixed batch — prompts of 5 to 150 tokens chunked under a 64-token
 budget per rank, a second wave sharing 80-token prefixes with the first (prefix hits), blocks
 short enough to preempt — on one device and on ``dp=8``, ``dp=4 x cp=2`` (both EP schemes),
-``dp=2 x cp=4`` and ``dp=2 x cp=4`` with DSpark speculation, and reports the greedy tokens,
+``dp=2 x cp=4``, ``dp=2 x cp=4`` with DSpark speculation and ``cp=8`` (EP over 8 without DP,
+the GSPMD step), and reports the greedy tokens,
 their logprobs, cache placement and scheduler counts as JSON.
 
 The exchange primitives (``moe_experts_dp``, ``manual.gather_rows``) are checked on random
@@ -61,7 +62,7 @@ base = dict(max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,), row_
 # 12 blocks (per rank) of 32 tokens preempt; 24 keep wave 1's prefixes cached for wave 2
 configs = [dict(num_blocks=12), dict(dp=8, num_blocks=24), dict(dp=4, cp=2, num_blocks=24),
            dict(dp=4, cp=2, num_blocks=24, ep_scheme="psum"), dict(dp=2, cp=4, num_blocks=12),
-           dict(dp=2, cp=4, num_blocks=24, spec_decode="dspark", spec_varlen=False)]
+           dict(dp=2, cp=4, num_blocks=24, spec_decode="dspark", spec_varlen=False), dict(cp=8, num_blocks=24)]
 report = []
 for extra in configs:
     llm = LLM({ckpt!r}, **base, **extra)
@@ -96,8 +97,12 @@ def test_dp_engine_matches_one_device(ckpt):
     assert ref["preemptions"] > 0, "the batch should preempt on one device"
     for run in runs:
         cfg = run["config"]
-        dp, cp = cfg["dp"], cfg.get("cp", 1)
+        dp, cp = cfg.get("dp", 1), cfg.get("cp", 1)
         assert run["tokens"] == ref["tokens"], cfg
+        assert run["experts_split"] and dp * cp == 8
+        if dp == 1:  # EP over 8 without DP: GSPMD partitions the step, the caches are replicated
+            assert run["device_bytes"] == [run["cache_bytes"]] * 8
+            continue
         if cfg["num_blocks"] == 24 and dp >= 4:  # wave 2 went to the ranks holding its prefixes
             # (5 of 6 blocks hit, less the exact replay: 96 tokens not recomputed)
             assert run["cached"][n1:] == [96] * 5, (cfg, run["cached"])
@@ -108,8 +113,6 @@ def test_dp_engine_matches_one_device(ckpt):
         # every cache array split over dp: a device holds 1/dp of it (its rank's slots / blocks)
         assert all(rows == dp * local for rows, local in run["cache_rows"]), (cfg, run["cache_rows"])
         assert run["device_bytes"] == [run["cache_bytes"] // dp] * 8, (cfg, run["device_bytes"])
-        assert run["experts_split"]
-        assert dp * cp == 8
     by = {json.dumps(run["config"], sort_keys=True): run for run in runs}
     a2a = by[json.dumps(dict(dp=4, cp=2, num_blocks=24), sort_keys=True)]
     psum = by[json.dumps(dict(dp=4, cp=2, num_blocks=24, ep_scheme="psum"), sort_keys=True)]

@@ -2,9 +2,10 @@
 
 A step's outputs that the next step reads (sampled ids, the speculation carry) have
 ``max_num_seqs`` rows; the step fills its first ``R`` (the row bucket). When ``R`` is all of them
-the update is skipped: inside ``shard_map`` (the DP step) the Shardy partitioner of jax 0.11-0.12
+the update is skipped: inside ``shard_map`` (the DP step) the Shardy partitioner of jax 0.11.2
 crashes (a segmentation fault at compile time) on a dynamic-update-slice covering its whole
-operand; ``scripts/repro_shardy_full_update.py`` reproduces it in ten lines.
+operand; ``scripts/repro_shardy_full_update.py`` reproduces it in ten lines (jax 0.12.0.1
+compiles it).
 """
 
 from __future__ import annotations
