@@ -37,6 +37,15 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _sigint_raises():
+    """Ctrl-C as in a terminal: a process started in the background of a non-interactive shell
+    (``cmd &``) inherits SIGINT ignored, and Python then installs no handler for it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     from deepinfer_jax.checkpoint.random_checkpoint import write_random_checkpoint
