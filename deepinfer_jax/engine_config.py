@@ -50,6 +50,7 @@ _FIELD_TYPES = {
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
     "dp": ("int", 1, False), "cp": ("int", 1, False), "ep_scheme": ("str", None, False),
+    "eplb_redundant_experts": ("int", 0, False), "eplb_window": ("int", 1, False), "eplb_interval": ("int", 0, False),
     "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
@@ -109,6 +110,13 @@ class EngineConfig:
     # (token, slot) to the device owning its expert, ragged all-to-all) or "psum" (all tokens to
     # every device, an exact sum back); the outputs are bit-identical
     ep_scheme: str = "a2a"
+    # EPLB (sharding/eplb.py, runner/dp_runner.py): physical expert slots per MoE layer beyond the
+    # logical experts (0: off; E + this must divide over the devices), the window of per-step
+    # slot loads, and the steps between rebalances (0: only LLM.runner.rebalance()); DeepSeek's
+    # decode: one redundant expert per GPU, window 1000, every 10000 steps
+    eplb_redundant_experts: int = 0
+    eplb_window: int = 1000
+    eplb_interval: int = 10000
     precompile: bool = True                # compile every bucket at start-up
     # a request's logits (and, with its seed, its tokens) do not depend on the other requests of
     # its steps, the padded step size or its prompt's chunking (base/batch_invariant.py; costs

@@ -15,7 +15,6 @@ inputs in a second subprocess against the established EP op and ``jnp.take``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,17 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from cpu_devices import cpu_devices_env
+
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
-
-
-def _env(n_dev: int) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_dev}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +80,7 @@ print(json.dumps(report))
 
 def test_dp_engine_matches_one_device(ckpt):
     code = _ENGINE_SCRIPT.format(ckpt=str(ckpt))
-    r = subprocess.run([sys.executable, "-c", code], env=_env(8), cwd=str(REPO), capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], env=cpu_devices_env(8), cwd=str(REPO), capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, f"8-device run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     report = json.loads(r.stdout.strip().splitlines()[-1])
@@ -188,7 +180,7 @@ def test_dp_exchanges_are_exact():
     """``moe_experts_dp`` (both schemes, experts split over dp x cp, over dp only, over cp only)
     equals the established EP op on all ranks' tokens, bit for bit; ``gather_rows`` equals
     ``jnp.take`` on a row-split fp8 table; ``exact_sum`` keeps every bit."""
-    r = subprocess.run([sys.executable, "-c", _EXCHANGE_SCRIPT], env=_env(8), cwd=str(REPO), capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _EXCHANGE_SCRIPT], env=cpu_devices_env(8), cwd=str(REPO), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stdout.splitlines()
@@ -211,7 +203,7 @@ print(json.dumps([[o.outputs[0].text for o in LLM(dp=dp, **kw).generate(ps, sp, 
 def test_dp_structured_output_matches_one_device():
     """Grammar rows and plain rows spread over 2 ranks (the shipped model, its tokenizer): each
     rank's bitmask rows reach its own sampler rows; the outputs equal one device's."""
-    r = subprocess.run([sys.executable, "-c", _GRAMMAR_SCRIPT.format()], env=_env(2), cwd=str(REPO),
+    r = subprocess.run([sys.executable, "-c", _GRAMMAR_SCRIPT.format()], env=cpu_devices_env(2), cwd=str(REPO),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     one, two = json.loads(r.stdout.strip().splitlines()[-1])

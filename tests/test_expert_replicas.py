@@ -93,3 +93,25 @@ def test_physical_load_counts_entries(num_physical):
     phys = jnp.asarray([[0, 1], [1, -1], [num_physical - 1, 0]], jnp.int32)
     load = np.asarray(physical_load(phys, num_physical))
     assert load.sum() == 5 and load[0] == 2 and load[1] == 2 and load[num_physical - 1] == 1
+
+
+def test_step_placement_arrays_are_consistent():
+    """``initial_placement`` / ``placement_arrays`` (the step's input): every slot's expert lists
+    it among its replicas, counts add up to the slots, log2phy is padded to R - E + 1."""
+    from deepinfer_jax.sharding.eplb import rebalance_experts
+    from deepinfer_jax.sharding.expert_replicas import initial_placement, placement_arrays, route
+
+    E, R = 8, 12
+    rng = np.random.default_rng(2)
+    for pl in (initial_placement(3, E, R, (0, 1, 2)),
+               placement_arrays(*rebalance_experts(rng.integers(1, 100, (3, E)), R, 1, 1, 4, policy="global"),
+                                (0, 1, 2))):
+        p2l, l2p, cnt = np.asarray(pl.phy2log_LR), np.asarray(pl.log2phy_LEM), np.asarray(pl.logcnt_LE)
+        assert l2p.shape == (3, E, R - E + 1) and (cnt >= 1).all() and (cnt.sum(1) == R).all()
+        for li in range(3):
+            for e in range(E):
+                slots = l2p[li, e, :cnt[li, e]]
+                assert (p2l[li, slots] == e).all() and (l2p[li, e, cnt[li, e]:] == -1).all()
+    idx = jnp.asarray(rng.integers(0, E, (5, 2)), jnp.int32)
+    phys, n = route(0, idx, E)
+    assert phys is idx and n is None   # no placement active: the logical ids, unchanged

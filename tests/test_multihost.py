@@ -9,7 +9,6 @@ tokens, equal to one device's.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from cpu_devices import cpu_devices_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,9 +64,7 @@ def test_two_processes_match_one_device(ckpt):
     wave1 = [rng.integers(3, 250, size=int(n)).tolist() for n in (9, 190, 40, 180, 70, 120)]
     wave2 = [wave1[i][:170] + rng.integers(3, 250, size=6).tolist() for i in (1, 3, 1)]
     prompts = wave1 + wave2
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = cpu_devices_env(4)
     code, port = _SCRIPT.format(ckpt=str(ckpt)), str(_free_port())
     args = [json.dumps(prompts), json.dumps(KW)]
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i), port, *args], env=env, cwd=str(REPO),

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from cpu_devices import cpu_devices_env
 from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
 from deepinfer_jax.sharding.partition import logical_to_spec
 
@@ -146,11 +147,7 @@ _MESH_SCRIPT = textwrap.dedent(r"""
 
 
 def _subprocess_env() -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={N_DEV}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cpu_devices_env(N_DEV)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from flax import nnx
 
 from deepinfer_jax.base import batch_invariant as bi
 from deepinfer_jax.kernels_pallas import ops
+from deepinfer_jax.sharding import expert_replicas
 from deepinfer_jax.layers.linear import Linear, _storage, matmul_f32
 
 
@@ -80,6 +81,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg, layer: int, dense_fmt: str, expert_fmt: str):
         n_experts, topk = cfg.moe_experts(layer)
         D, F = cfg.hidden_size, cfg.moe_intermediate_size
+        self.layer = layer
         self.n_experts, self.limit = n_experts, cfg.swiglu_limit
         self.gate = Gate(D, n_experts, topk, cfg.routed_scaling_factor, cfg.norm_topk_prob)
         self.experts = Experts(n_experts, D, F, expert_fmt)
@@ -91,8 +93,11 @@ class MoE(nnx.Module):
             taps[f"gate{tag}_indices"] = idx_TX
             taps[f"gate{tag}_weights"] = weights_TX
         e = self.experts
-        y_TXD = ops.moe_experts(x_TD, idx_TX, weights_TX, e.w1.parts(), e.w2.parts(), e.w3.parts(),
-                                e.fmt, self.limit, self.n_experts)
+        # redundant experts (EPLB, sharding/expert_replicas.py): the same logical routing on the
+        # engine's physical slots; every replica holds its expert's weights, so y is unchanged
+        phys_TX, n_physical = expert_replicas.route(self.layer, idx_TX, self.n_experts)
+        y_TXD = ops.moe_experts(x_TD, phys_TX, weights_TX, e.w1.parts(), e.w2.parts(), e.w3.parts(),
+                                e.fmt, self.limit, n_physical or self.n_experts)
         # the reference adds routed outputs into an fp32 buffer in ascending expert order
         order = jnp.argsort(idx_TX, axis=-1)
         y_TXD = jnp.take_along_axis(y_TXD, order[..., None], axis=1).astype(jnp.float32)

@@ -41,27 +41,42 @@ from deepinfer_jax.runner.model_runner import ModelRunner, _step_impl
 from deepinfer_jax.runner.packed_input import pack, unpack
 from deepinfer_jax.runner.spec_step import SpecCarry, spec_step_impl
 from deepinfer_jax.runner.step_inputs import banned_width, build_step_input, pick_bucket
+from deepinfer_jax.sharding import expert_replicas
+from deepinfer_jax.sharding.eplb import rebalance_experts
+from deepinfer_jax.sharding.partition import split_axes
 
 DP = P("dp")
 
 
-def _dp_step(graphdef, state_treedef, leaf_specs, mesh, impl, state_leaves, cache, bufs, carry, engram_tables, *,
-             layout, scheme: str, gather: bool, **kw):
+def _dp_step(graphdef, state_treedef, leaf_specs, mesh, impl, state_leaves, cache, bufs, carry, engram_tables,
+             placement=None, *, layout, scheme: str, gather: bool, decoder_from: int | None = None, **kw):
     """One step of every rank: ``impl`` (the plain or the spec step body) per device under
     ``shard_map``; ``bufs`` are the ranks' packed inputs ``[dp, n]``, ``cache`` and ``carry``
     the ranks' state split over ``dp``. ``gather``: the outputs come back replicated (all-gathered
-    over ``dp``), so that every process of a multi-process mesh can read all of them."""
-    def body(leaves, cache_, bufs_, carry_, tables):
+    over ``dp``), so that every process of a multi-process mesh can read all of them.
+    ``placement``: redundant experts (EPLB); the step then also returns every placed layer's
+    per-slot load of this step, summed over the ranks (``[L, R]``, replicated)."""
+    def body(leaves, cache_, bufs_, carry_, tables, placement_):
         with moe_ep.use_scheme(scheme):
             inp = unpack(tuple(b[0] for b in bufs_), layout)
-            cache_, out, plp, carry_ = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+            if placement_ is None:
+                res = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+                loads = None
+            else:
+                dec = inp.batch.decoder
+                with expert_replicas.use_placement(placement_, inp.batch.token_valid,
+                                                   None if dec is None else dec.token_valid, decoder_from) as st:
+                    res = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+                loads = jax.lax.psum(expert_replicas.recorded_loads(st), "dp")
+        cache_, out, plp, carry_ = res
         if gather:
             out, plp = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", tiled=True), (out, plp))
-        return cache_, out, plp, carry_
+        return (cache_, out, plp, carry_) if loads is None else (cache_, out, plp, carry_, loads)
 
     res = P() if gather else DP
-    return jax.shard_map(body, mesh=mesh, in_specs=(list(leaf_specs), DP, DP, DP, P()), out_specs=(DP, res, res, DP),
-                         check_vma=False)(state_leaves, cache, bufs, carry, engram_tables)
+    outs = (DP, res, res, DP) if placement is None else (DP, res, res, DP, P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(list(leaf_specs), DP, DP, DP, P(), P()), out_specs=outs,
+                         check_vma=False)(state_leaves, cache, bufs, carry, engram_tables, placement)
 
 
 _DP_FNS: dict = {}
@@ -74,13 +89,18 @@ def dp_step_function(graphdef, state_treedef, leaf_specs, mesh, spec: bool = Fal
     if fn is None:
         opts = bi.compiler_options(jax.default_backend()) if batch_invariant else None
         impl = spec_step_impl if spec else _step_impl
-        statics = ("layout", "scheme", "gather", "num_logprobs", "prompt_lp", "kernels", "batch_invariant")
+        statics = ("layout", "scheme", "gather", "decoder_from", "num_logprobs", "prompt_lp", "kernels", "batch_invariant")
         if spec:
             statics += ("spec_slots", "rule", "force_accept")
         fn = jax.jit(functools.partial(_dp_step, graphdef, state_treedef, tuple(leaf_specs), mesh, impl),
                      static_argnames=statics, donate_argnames=("cache",), compiler_options=opts)
         _DP_FNS[key] = fn
     return fn
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _gather_slots(w, idx, sharding):
+    return jax.lax.with_sharding_constraint(w[idx], sharding)
 
 
 def _spec_of(x) -> P:
@@ -92,6 +112,8 @@ class DPModelRunner(ModelRunner):
     """``ModelRunner`` over a mesh with ``dp > 1`` (module docstring). ``EngineConfig`` sizes
     (``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``) are per rank."""
 
+    places_experts = True
+
     def __init__(self, model_dir: str, ec, *, cfg=None, mesh, progress: bool = True):
         if mesh is None or "dp" not in mesh.shape:  # dp = 1 runs the DP program on one rank (its benchmark)
             raise ValueError(f"DPModelRunner: needs a mesh with a 'dp' axis, got {None if mesh is None else dict(mesh.shape)}")
@@ -102,6 +124,9 @@ class DPModelRunner(ModelRunner):
                              "differ between processes; use spec_varlen=False")
         super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
         self.ep_scheme = ec.ep_scheme
+        self.placement = None
+        if ec.eplb_redundant_experts:
+            self._init_eplb(ec.eplb_redundant_experts)
         leaf_specs = [_spec_of(x) for x in self.state_leaves]
         state_treedef = self.state_treedef
         self._dp_step = dp_step_function(self.graphdef, state_treedef, leaf_specs, mesh,
@@ -116,6 +141,86 @@ class DPModelRunner(ModelRunner):
         if self.engram_tables is not None:
             self.engram_tables = jax.device_put(host(self.engram_tables), NamedSharding(mesh, P()))
         self.gather_outputs = jax.process_count() > 1
+
+    # ------------------------------------------------------------------ EPLB
+    def _init_eplb(self, redundant: int) -> None:
+        """Redundant experts: each backbone MoE layer's expert stacks become ``R = E + redundant``
+        physical slots split over the mesh, slot ``r`` a copy of logical expert ``r mod E``; a
+        window of per-step slot loads (``eplb_window`` steps) feeds ``rebalance()``."""
+        cfg, ec = self.cfg, self.ec
+        counts = {cfg.moe_experts(i)[0] for i in range(cfg.num_hidden_layers)}
+        if len(counts) != 1:
+            raise ValueError(f"EngineConfig.eplb_redundant_experts={redundant}: the MoE layers have different "
+                             f"expert counts {sorted(counts)}")
+        E = counts.pop()
+        R, n = E + redundant, self.mesh.size
+        if R % n:
+            raise ValueError(f"EngineConfig.eplb_redundant_experts={redundant}: {E} experts + {redundant} = {R} "
+                             f"physical slots must divide evenly over the {n} devices")
+        self.eplb_sizes = (E, R)
+        layers = tuple(range(cfg.num_hidden_layers))
+        tree = jax.tree.unflatten(self.state_treedef, self.state_leaves)
+        self._expert_leaves: dict[int, list[int]] = {l: [] for l in layers}
+        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+            k = jax.tree_util.keystr(path)
+            for l in layers:
+                if k.startswith(f"['layers'][{l}]['ffn']['experts']"):
+                    self._expert_leaves[l].append(i)
+        axes = split_axes("expert", self.mesh, R)
+        self._slot_sharding = NamedSharding(self.mesh, P(axes if len(axes) > 1 else axes[0]) if axes else P())
+        self.placement = expert_replicas.initial_placement(len(layers), E, R, layers)
+        self._move_experts(np.tile(np.arange(R) % E, (len(layers), 1)))
+        self.placement = jax.device_put(self.placement, NamedSharding(self.mesh, P()))
+        self._loads: list = []   # the window: per-step [L, R] device arrays (oldest first)
+        self.rebalances = 0
+
+    def _move_experts(self, src_LR) -> None:
+        """Physical slot ``r`` of layer ``l`` takes the weights now in slot ``src_LR[l, r]`` (a
+        gather over the mesh: weights move between devices, between steps, queued like a step)."""
+        for row, l in enumerate(sorted(self._expert_leaves)):
+            idx = np.asarray(src_LR[row], np.int32)
+            for i in self._expert_leaves[l]:
+                self.state_leaves[i] = _gather_slots(self.state_leaves[i], idx, self._slot_sharding)
+
+    def record_load(self, loads_LR) -> None:
+        self._loads.append(loads_LR)
+        if len(self._loads) > self.ec.eplb_window:
+            self._loads.pop(0)
+
+    def expert_load(self) -> np.ndarray:
+        """int64 ``[L, R]``: entries per physical slot over the window (live tokens only)."""
+        E, R = self.eplb_sizes
+        if not self._loads:
+            return np.zeros((len(self._expert_leaves), R), np.int64)
+        return sum(np.asarray(x, np.int64) for x in jax.device_get(self._loads))
+
+    def rank_load(self) -> np.ndarray:
+        """int64 ``[L, devices]``: the window's entries per device (its ``R / n`` slots), per layer."""
+        load = self.expert_load()
+        return load.reshape(load.shape[0], self.mesh.size, -1).sum(-1)
+
+    def rebalance(self) -> None:
+        """EPLB over the window's loads (``sharding/eplb.py``): new placement, expert weights moved
+        to their new slots. Outputs are unchanged (every replica holds its expert's weights)."""
+        E, R = self.eplb_sizes
+        load = self.expert_load()
+        old = np.asarray(jax.device_get(self.placement.phy2log_LR))
+        logical = np.zeros((load.shape[0], E), np.int64)
+        for l in range(load.shape[0]):
+            np.add.at(logical[l], old[l], load[l])
+        phy2log, log2phy, logcnt = rebalance_experts(logical, R, 1, 1, self.mesh.size, policy="global")
+        # each new slot copies an old slot that holds its expert (one exists: every expert has a replica)
+        first = np.zeros((load.shape[0], E), np.int64)
+        for l in range(load.shape[0]):
+            for r in range(R - 1, -1, -1):
+                first[l, old[l, r]] = r
+        src = np.take_along_axis(first, np.asarray(phy2log), axis=1)
+        self._move_experts(src)
+        layers = self.placement.layers
+        self.placement = jax.device_put(expert_replicas.placement_arrays(phy2log, log2phy, logcnt, layers),
+                                        NamedSharding(self.mesh, P()))
+        self._loads = []
+        self.rebalances += 1
 
     def _allocate_cache(self):
         cc = self.cache_config
@@ -183,9 +288,26 @@ class DPModelRunner(ModelRunner):
         kw = dict(layout=layout, scheme=self.ep_scheme, gather=self.gather_outputs, num_logprobs=ec.max_logprobs, prompt_lp=prompt_lp,
                   kernels=self.kernels, batch_invariant=self.batch_invariant)
         if self.spec_slots:
-            return self._dp_spec_step, (self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables), dict(
-                kw, spec_slots=self.spec_slots, rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0))
-        return self._dp_step, (self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables), kw
+            fn, args = self._dp_spec_step, (self.state_leaves, self.cache, bufs, self.spec_carry, self.engram_tables)
+            kw = dict(kw, spec_slots=self.spec_slots, rule=ec.spec_rule, force_accept=float(ec.spec_force_accept or 0.0))
+        else:
+            fn, args = self._dp_step, (self.state_leaves, self.cache, bufs, self.prev_sampled, self.engram_tables)
+        if self.placement is None:
+            return fn, args, kw
+
+        def placed(*a, **k):  # the step with the expert placement; its loads go to the window
+            cache, out, plp, carry, loads = fn(*a, self.placement, **k)
+            self.record_load(loads)
+            return cache, out, plp, carry
+
+        return placed, args, dict(kw, decoder_from=self.cfg.yoco_start_layer)
+
+    def execute(self, sched):
+        if self.placement is not None and self.ec.eplb_interval:
+            self._steps = getattr(self, "_steps", 0) + 1
+            if self._steps % self.ec.eplb_interval == 0:
+                self.rebalance()   # between steps: the weights move before this step runs
+        return super().execute(sched)
 
     def row_map(self, sched, T: int, R: int):
         """Rank ``k``'s ``j``-th row is output row ``k*R + j``; its tokens start at ``k*T`` (the

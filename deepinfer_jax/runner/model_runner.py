@@ -148,11 +148,15 @@ class StepHandle:
 
 class ModelRunner:
     dp = 1  # attention data-parallel ranks (runner/dp_runner.py)
+    places_experts = False  # redundant expert slots (EPLB): the DP runner's
 
     def __init__(self, model_dir: str, ec, *, cfg: ModelConfig | None = None, mesh=None, progress: bool = True):
         """``ec``: a resolved ``EngineConfig``."""
         from deepinfer_jax.models.weights import load_model
 
+        if getattr(ec, "eplb_redundant_experts", 0) and not self.places_experts:
+            raise ValueError(f"EngineConfig.eplb_redundant_experts={ec.eplb_redundant_experts}: redundant experts "
+                             "need the DP runner (runner/dp_runner.py; LLM picks it)")
         self.ec = ec
         self.mesh = mesh
         self.cfg = cfg or ModelConfig.from_json(model_dir)
