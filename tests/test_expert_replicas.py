@@ -106,7 +106,7 @@ def test_step_placement_arrays_are_consistent():
     for pl in (initial_placement(3, E, R, (0, 1, 2)),
                placement_arrays(*rebalance_experts(rng.integers(1, 100, (3, E)), R, 1, 1, 4, policy="global"),
                                 (0, 1, 2))):
-        p2l, l2p, cnt = np.asarray(pl.phy2log_LR), np.asarray(pl.log2phy_LEM), np.asarray(pl.logcnt_LE)
+        p2l, l2p, cnt = np.asarray(pl.phy2log_LR), np.asarray(pl.log2phy_LEK), np.asarray(pl.logcnt_LE)
         assert l2p.shape == (3, E, R - E + 1) and (cnt >= 1).all() and (cnt.sum(1) == R).all()
         for li in range(3):
             for e in range(E):

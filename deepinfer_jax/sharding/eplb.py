@@ -36,8 +36,8 @@ README example exactly (``tests/test_eplb.py``).
 
 Outputs: ``phy2log_LR`` (the logical expert in each physical slot; slot r is on GPU r // (R/P)),
 ``log2phy_LEK`` (the slots holding each expert's replicas, replica rank k, -1 past its count) and
-``logcnt_LE`` (replicas per expert). What does not exist yet: the MoE routing onto redundant
-replicas, the window of per-step loads, and moving expert weights between steps.
+``logcnt_LE`` (replicas per expert). The engine routes onto them, keeps the window of per-step
+loads and moves expert weights between steps in ``runner/dp_runner.py`` (``expert_replicas.py``).
 
 Letters (local to this module; see ``deepinfer_jax/layers/README.md``): L MoE layers, E logical
 (routed) experts, R physical expert slots (``num_replicas``), G expert groups, N nodes, P GPUs

@@ -60,20 +60,19 @@ class ExpertPlacement:
     input: changing it (a rebalance) changes arrays, not the compiled step."""
 
     phy2log_LR: jax.Array    # int32 [L, R]: the logical expert in each physical slot
-    log2phy_LEM: jax.Array   # int32 [L, E, M]: the slots of each expert's replicas, -1 padded
+    log2phy_LEK: jax.Array   # int32 [L, E, K]: the slots of each expert's replicas, -1 padded
     logcnt_LE: jax.Array     # int32 [L, E]: replicas per expert (>= 1)
     layers: tuple = dataclasses.field(metadata=dict(static=True), default=())
 
 
 def placement_arrays(phy2log_LR, log2phy_LEK, logcnt_LE, layers) -> ExpertPlacement:
     """``ExpertPlacement`` from EPLB's outputs (numpy, ``eplb.rebalance_experts``); ``log2phy`` is
-    padded to ``M = R - E + 1`` replicas (the most any expert can have), so every placement of
-    the same sizes has the same shapes."""
+    padded to ``K = R - E + 1`` replicas (the most any expert can have), so every placement of
+    the same sizes has the same shapes (letters as ``eplb.py``'s)."""
     phy2log_LR = np.asarray(phy2log_LR, np.int32)
     L, R = phy2log_LR.shape
     E = np.asarray(logcnt_LE).shape[1]
-    M = R - E + 1
-    l2p = np.full((L, E, M), -1, np.int32)
+    l2p = np.full((L, E, R - E + 1), -1, np.int32)
     k = np.asarray(log2phy_LEK).shape[2]
     l2p[:, :, :k] = np.asarray(log2phy_LEK, np.int32)
     return ExpertPlacement(phy2log_LR, l2p, np.asarray(logcnt_LE, np.int32), tuple(layers))
@@ -123,7 +122,7 @@ def route(layer: int, idx_TX: jax.Array, n_experts: int):
         return idx_TX, None
     pl = state["placement"]
     row = pl.layers.index(layer)
-    phys = physical_ids(idx_TX, pl.log2phy_LEM[row], pl.logcnt_LE[row])
+    phys = physical_ids(idx_TX, pl.log2phy_LEK[row], pl.logcnt_LE[row])
     R = pl.phy2log_LR.shape[1]
     live = state["live"]
     if state["live_dec"] is not None and state["dec_from"] is not None and layer >= state["dec_from"]:
