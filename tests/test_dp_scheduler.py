@@ -180,9 +180,9 @@ def test_new_requests_go_to_the_least_loaded_rank_and_epochs_are_unique():
             for i in range(7)]
     for r in reqs:
         dps.add_request(r)
-    # fewest requests first, then fewest queued tokens (prompts alternate 10 / 50 tokens):
+    # fewest requests first, then fewest prompt tokens held (prompts alternate 10 / 50 tokens):
     # r0 r1 r2 -> ranks 0 1 2; r3 -> 0 (10 tokens, ties rank 2: lower rank); r4 -> 2; r5 -> 1;
-    # r6 -> rank 2, which holds 20 queued tokens against 60 and 100
+    # r6 -> rank 2, which holds 20 prompt tokens against 60 and 100
     assert [[r.request_id for r in s.waiting] for s in dps.ranks] == [["r0", "r3"], ["r1", "r5"], ["r2", "r4", "r6"]]
     assert len({r.epoch for r in reqs}) == 7    # shared epoch counter
     out = dps.schedule()

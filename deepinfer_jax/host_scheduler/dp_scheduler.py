@@ -8,8 +8,8 @@ prefix blocks are):
 
 1. the rank whose prefix cache holds the longest prefix of its prompt, if that rank has room
    (fewer requests than ``max_num_seqs``) — the hit is only usable where the blocks are;
-2. otherwise the rank with the most free capacity: fewest requests, then fewest queued tokens,
-   then the lowest rank.
+2. otherwise the rank with the most free capacity: fewest requests, then fewest tokens (prompt
+   tokens of the requests it holds), then the lowest rank.
 
 One ``schedule()`` plans every rank under the same step id (placeholder rows name the previous
 step's rows of their own rank) and concatenates the rows, rank by rank; ``SchedulerOutput.ranks``
@@ -46,6 +46,7 @@ class DPScheduler:
         self.ranks = [Scheduler(ec, max_model_len=max_model_len, history_tokens=history_tokens, epochs=epochs)
                       for _ in range(dp)]
         self.rank_of: dict[str, int] = {}
+        self._tokens = [0] * dp   # prompt tokens of each rank's requests (the load tie-break)
         self.pool = _Pools(self.ranks)
         self.next_step_id = 0
         self.num_draft_tokens = self.ranks[0].num_draft_tokens
@@ -98,9 +99,7 @@ class DPScheduler:
         best_hit, neg_k = max(hits, default=(0, 0))
         if best_hit > 0:
             return -neg_k
-        load = [(s.num_requests, sum(r.num_tokens - r.num_computed for r in s.waiting), k)
-                for k, s in enumerate(self.ranks)]
-        return min(load)[2]
+        return min(range(self.dp), key=lambda k: (self.ranks[k].num_requests, self._tokens[k], k))
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.rank_of:
@@ -108,6 +107,7 @@ class DPScheduler:
         k = self.pick_rank(req)
         self.ranks[k].add_request(req)
         self.rank_of[req.request_id] = k
+        self._tokens[k] += len(req.prompt_token_ids)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         k = self.rank_of.get(req.request_id)
@@ -115,6 +115,7 @@ class DPScheduler:
             return
         self.ranks[k].finish(req, status)
         del self.rank_of[req.request_id]
+        self._tokens[k] -= len(req.prompt_token_ids)
 
     def commit_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         self.ranks[self.rank_of[req.request_id]].commit_verification(req, num_drafts, num_accepted)

@@ -128,10 +128,15 @@ class Scheduler:
     def prefix_hit_tokens(self, req: Request) -> int:
         """Tokens of ``req``'s known tokens this scheduler's prefix cache holds now (no state
         changes: the lookup is counted when the request is admitted)."""
-        if not self.ec.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return 0
         self._update_hashes(req)
-        return len(self.pool.find_prefix(req.block_hashes, req.num_tokens)) * self.ec.block_tokens
+        return len(self._prefix_blocks(req)) * self.ec.block_tokens
+
+    def _prefix_blocks(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s longest prefix hit (its hashes up to date); none when
+        caching is off or the request wants prompt logprobs (every position is computed)."""
+        if not self.ec.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        return self.pool.find_prefix(req.block_hashes, req.num_tokens)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
@@ -255,9 +260,7 @@ class Scheduler:
         bt = self.ec.block_tokens
         self._update_hashes(req)
         n_known = req.num_tokens
-        hit_blocks = []
-        if self.ec.enable_prefix_caching and req.params.prompt_logprobs is None:
-            hit_blocks = self.pool.find_prefix(req.block_hashes, n_known)
+        hit_blocks = self._prefix_blocks(req)
         cached = len(hit_blocks) * bt
         start = 0
         if cached:

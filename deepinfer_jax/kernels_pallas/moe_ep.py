@@ -78,15 +78,13 @@ def moe_experts_ep(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt:
         return local_fn(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
     n_shards = math.prod(mesh.shape[a] for a in axes)
     e_local = n_experts // n_shards
-    ax = axes if len(axes) > 1 else axes[0]
+    ax = manual.axis_name(axes)
     if scheme == "a2a":
         return moe_experts_a2a(local_fn, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts,
                                mesh=mesh, axes=axes)
 
     def body(x, idx, wt, w1_, w2_, w3_):
-        first = jax.lax.axis_index(ax) * e_local
-        local = idx.astype(jnp.int32) - first
-        local = jnp.where((idx >= 0) & (local >= 0) & (local < e_local), local, -1)
+        local, _ = _local_ids(idx, ax, e_local)
         y = local_fn(x, local, wt, w1_, w2_, w3_, fmt, swiglu_limit, e_local)
         return jax.lax.psum(y, ax)
 
@@ -101,7 +99,7 @@ def moe_experts_a2a(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt
                     n_experts: int, *, mesh, axes: tuple[str, ...]) -> jax.Array:
     """The all-to-all scheme of ``moe_experts_ep`` (module docstring): replicated ``[T, X, D]`` out."""
     n = math.prod(mesh.shape[a] for a in axes)
-    ax = axes if len(axes) > 1 else axes[0]
+    ax = manual.axis_name(axes)
     native = native_supported(jax.default_backend())
     T = idx_TX.shape[0]
     Tn = -(-T // n)              # tokens per device's slice (the last one padded)
@@ -118,6 +116,14 @@ def moe_experts_a2a(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), wspec(w1), wspec(w2), wspec(w3)),
                          out_specs=P(), check_vma=False)(x_TD, idx_TX, weight_TX, w1, w2, w3)
+
+
+def _local_ids(idx, ax, e_local: int):
+    """Routing ids in this device's numbering of its ``e_local`` experts (device ``i`` of ``ax``
+    holds ``[i*e_local, (i+1)*e_local)``), ``-1`` for the others', and the mask of its own."""
+    local = idx.astype(jnp.int32) - jax.lax.axis_index(ax) * e_local
+    mine = (idx >= 0) & (local >= 0) & (local < e_local)
+    return jnp.where(mine, local, -1), mine
 
 
 def _my_slice(me, Tn: int, n: int, x, idx, wt):
@@ -205,30 +211,28 @@ def moe_experts_dp(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt:
     if not e_axes:
         return local_fn(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
     n = manual.axes_size(e_axes)
-    e_ax = e_axes if len(e_axes) > 1 else e_axes[0]
+    e_ax = manual.axis_name(e_axes)
     tok_axes = tuple(a for a in ("dp",) if a in mesh.shape and mesh.shape[a] > 1)   # tokens differ over these
     rep_axes = tuple(a for a in manual.manual_axes() if a not in tok_axes and mesh.shape[a] > 1)
     if scheme == "a2a":
         m = manual.axes_size(rep_axes) if rep_axes else 1
         T = x_TD.shape[0]
         Tn = -(-T // m)
-        me = jax.lax.axis_index(rep_axes if len(rep_axes) > 1 else rep_axes[0]) if rep_axes else 0
+        me = jax.lax.axis_index(manual.axis_name(rep_axes)) if rep_axes else 0
         x_N, idx_N, wt_N = _my_slice(me, Tn, m, x_TD, idx_TX, weight_TX)
         out = _a2a_exchange(local_fn, x_N, idx_N, wt_N, w1, w2, w3, fmt, swiglu_limit, n_experts, n=n, ax=e_ax,
                             native=native_supported(jax.default_backend()))
         if rep_axes:
-            out = jax.lax.all_gather(out, rep_axes if len(rep_axes) > 1 else rep_axes[0], tiled=True)
+            out = jax.lax.all_gather(out, manual.axis_name(rep_axes), tiled=True)
         return out[:T]
     # psum: all ranks' tokens on every device, own experts' entries, exact sum back to the owners
     T = x_TD.shape[0]
-    gather = (lambda a: jax.lax.all_gather(a, tok_axes if len(tok_axes) > 1 else tok_axes[0], tiled=True)) \
+    gather = (lambda a: jax.lax.all_gather(a, manual.axis_name(tok_axes), tiled=True)) \
         if tok_axes else (lambda a: a)
     x_G, idx_G, wt_G = gather(x_TD), gather(idx_TX.astype(jnp.int32)), gather(weight_TX)
     e_local = n_experts // n
-    first = jax.lax.axis_index(e_ax) * e_local
-    local = idx_G - first
-    mine = (idx_G >= 0) & (local >= 0) & (local < e_local)
-    y = local_fn(x_G, jnp.where(mine, local, -1), wt_G, w1, w2, w3, fmt, swiglu_limit, e_local)
+    local, mine = _local_ids(idx_G, e_ax, e_local)
+    y = local_fn(x_G, local, wt_G, w1, w2, w3, fmt, swiglu_limit, e_local)
     y = jnp.where(mine[..., None], y, jnp.zeros((), y.dtype))        # exact zeros off the owner
     sum_axes = tuple(a for a in e_axes if a not in tok_axes)
     scatter_axes = tuple(a for a in tok_axes if a in e_axes)
@@ -236,6 +240,6 @@ def moe_experts_dp(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt:
     if scatter_axes:
         y = manual.exact_sum_scatter(y, scatter_axes)
     if tuple(tok_axes) != tuple(scatter_axes):  # experts not split over dp: every rank has all rows
-        k = jax.lax.axis_index(tok_axes if len(tok_axes) > 1 else tok_axes[0])
+        k = jax.lax.axis_index(manual.axis_name(tok_axes))
         y = jax.lax.dynamic_slice_in_dim(y, k * T, T)
     return y

@@ -26,6 +26,8 @@ rank's tokens to the experts.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 
 import jax
@@ -41,7 +43,7 @@ from deepinfer_jax.runner.model_runner import ModelRunner, _step_impl
 from deepinfer_jax.runner.packed_input import pack, unpack
 from deepinfer_jax.runner.spec_step import SpecCarry, spec_step_impl
 from deepinfer_jax.runner.step_inputs import banned_width, build_step_input, pick_bucket
-from deepinfer_jax.sharding import expert_replicas
+from deepinfer_jax.sharding import expert_replicas, manual
 from deepinfer_jax.sharding.eplb import rebalance_experts
 from deepinfer_jax.sharding.partition import split_axes
 
@@ -57,18 +59,13 @@ def _dp_step(graphdef, state_treedef, leaf_specs, mesh, impl, state_leaves, cach
     ``placement``: redundant experts (EPLB); the step then also returns every placed layer's
     per-slot load of this step, summed over the ranks (``[L, R]``, replicated)."""
     def body(leaves, cache_, bufs_, carry_, tables, placement_):
-        with moe_ep.use_scheme(scheme):
-            inp = unpack(tuple(b[0] for b in bufs_), layout)
-            if placement_ is None:
-                res = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
-                loads = None
-            else:
-                dec = inp.batch.decoder
-                with expert_replicas.use_placement(placement_, inp.batch.token_valid,
-                                                   None if dec is None else dec.token_valid, decoder_from) as st:
-                    res = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
-                loads = jax.lax.psum(expert_replicas.recorded_loads(st), "dp")
-        cache_, out, plp, carry_ = res
+        inp = unpack(tuple(b[0] for b in bufs_), layout)
+        dec = inp.batch.decoder
+        placed = contextlib.nullcontext() if placement_ is None else expert_replicas.use_placement(
+            placement_, inp.batch.token_valid, None if dec is None else dec.token_valid, decoder_from)
+        with moe_ep.use_scheme(scheme), placed as st:
+            cache_, out, plp, carry_ = impl(graphdef, state_treedef, leaves, cache_, inp, carry_, tables, **kw)
+        loads = None if placement_ is None else jax.lax.psum(expert_replicas.recorded_loads(st), "dp")
         if gather:
             out, plp = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", tiled=True), (out, plp))
         return (cache_, out, plp, carry_) if loads is None else (cache_, out, plp, carry_, loads)
@@ -124,6 +121,7 @@ class DPModelRunner(ModelRunner):
                              "differ between processes; use spec_varlen=False")
         super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
         self.ep_scheme = ec.ep_scheme
+        self._plans_memo = None   # (plan, its per-rank plans) of the step being dispatched
         self.placement = None
         if ec.eplb_redundant_experts:
             self._init_eplb(ec.eplb_redundant_experts)
@@ -160,32 +158,26 @@ class DPModelRunner(ModelRunner):
         self.eplb_sizes = (E, R)
         layers = tuple(range(cfg.num_hidden_layers))
         tree = jax.tree.unflatten(self.state_treedef, self.state_leaves)
-        self._expert_leaves: dict[int, list[int]] = {l: [] for l in layers}
-        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
-            k = jax.tree_util.keystr(path)
-            for l in layers:
-                if k.startswith(f"['layers'][{l}]['ffn']['experts']"):
-                    self._expert_leaves[l].append(i)
+        keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        # per placed layer (its row of the placement): the state leaves of its expert stacks
+        self._expert_leaves = [[i for i, k in enumerate(keys) if k.startswith(f"['layers'][{l}]['ffn']['experts']")]
+                               for l in layers]
         axes = split_axes("expert", self.mesh, R)
-        self._slot_sharding = NamedSharding(self.mesh, P(axes if len(axes) > 1 else axes[0]) if axes else P())
-        self.placement = expert_replicas.initial_placement(len(layers), E, R, layers)
-        self._move_experts(np.tile(np.arange(R) % E, (len(layers), 1)))
-        self.placement = jax.device_put(self.placement, NamedSharding(self.mesh, P()))
-        self._loads: list = []   # the window: per-step [L, R] device arrays (oldest first)
+        self._slot_sharding = NamedSharding(self.mesh, P(manual.axis_name(axes)) if axes else P())
+        initial = expert_replicas.initial_placement(len(layers), E, R, layers)
+        self._move_experts(initial.phy2log_LR)   # the [E, ...] stacks: slot r takes expert r mod E
+        self.placement = jax.device_put(initial, NamedSharding(self.mesh, P()))
+        self._loads = collections.deque(maxlen=ec.eplb_window)   # per-step [L, R] device arrays
         self.rebalances = 0
+        self._steps = 0           # steps dispatched (rebalance every eplb_interval)
 
     def _move_experts(self, src_LR) -> None:
         """Physical slot ``r`` of layer ``l`` takes the weights now in slot ``src_LR[l, r]`` (a
         gather over the mesh: weights move between devices, between steps, queued like a step)."""
-        for row, l in enumerate(sorted(self._expert_leaves)):
+        for row, leaves in enumerate(self._expert_leaves):
             idx = np.asarray(src_LR[row], np.int32)
-            for i in self._expert_leaves[l]:
+            for i in leaves:
                 self.state_leaves[i] = _gather_slots(self.state_leaves[i], idx, self._slot_sharding)
-
-    def record_load(self, loads_LR) -> None:
-        self._loads.append(loads_LR)
-        if len(self._loads) > self.ec.eplb_window:
-            self._loads.pop(0)
 
     def expert_load(self) -> np.ndarray:
         """int64 ``[L, R]``: entries per physical slot over the window (live tokens only)."""
@@ -204,22 +196,17 @@ class DPModelRunner(ModelRunner):
         to their new slots. Outputs are unchanged (every replica holds its expert's weights)."""
         E, R = self.eplb_sizes
         load = self.expert_load()
-        old = np.asarray(jax.device_get(self.placement.phy2log_LR))
+        old = jax.device_get(self.placement)
         logical = np.zeros((load.shape[0], E), np.int64)
         for l in range(load.shape[0]):
-            np.add.at(logical[l], old[l], load[l])
+            np.add.at(logical[l], old.phy2log_LR[l], load[l])
         phy2log, log2phy, logcnt = rebalance_experts(logical, R, 1, 1, self.mesh.size, policy="global")
-        # each new slot copies an old slot that holds its expert (one exists: every expert has a replica)
-        first = np.zeros((load.shape[0], E), np.int64)
-        for l in range(load.shape[0]):
-            for r in range(R - 1, -1, -1):
-                first[l, old[l, r]] = r
-        src = np.take_along_axis(first, np.asarray(phy2log), axis=1)
-        self._move_experts(src)
+        # each new slot copies the old first replica of its expert (every expert has one)
+        self._move_experts(np.take_along_axis(np.asarray(old.log2phy_LEK)[:, :, 0], np.asarray(phy2log), axis=1))
         layers = self.placement.layers
         self.placement = jax.device_put(expert_replicas.placement_arrays(phy2log, log2phy, logcnt, layers),
                                         NamedSharding(self.mesh, P()))
-        self._loads = []
+        self._loads.clear()
         self.rebalances += 1
 
     def _allocate_cache(self):
@@ -236,7 +223,7 @@ class DPModelRunner(ModelRunner):
     def _rank_plans(self, sched) -> list[SchedulerOutput]:
         """``sched`` split into one plan per rank (local row indices, grammar masks renumbered);
         kept for the step being dispatched (buckets, inputs and row map all ask)."""
-        memo = getattr(self, "_plans_memo", None)
+        memo = self._plans_memo
         if memo is not None and memo[0] is sched:
             return memo[1]
         plans = self._split(sched)
@@ -297,14 +284,14 @@ class DPModelRunner(ModelRunner):
 
         def placed(*a, **k):  # the step with the expert placement; its loads go to the window
             cache, out, plp, carry, loads = fn(*a, self.placement, **k)
-            self.record_load(loads)
+            self._loads.append(loads)
             return cache, out, plp, carry
 
         return placed, args, dict(kw, decoder_from=self.cfg.yoco_start_layer)
 
     def execute(self, sched):
         if self.placement is not None and self.ec.eplb_interval:
-            self._steps = getattr(self, "_steps", 0) + 1
+            self._steps += 1
             if self._steps % self.ec.eplb_interval == 0:
                 self.rebalance()   # between steps: the weights move before this step runs
         return super().execute(sched)

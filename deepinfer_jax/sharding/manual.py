@@ -41,7 +41,8 @@ def axes_size(axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _axis(axes: tuple[str, ...]):
+def axis_name(axes: tuple[str, ...]):
+    """The ``axis_name`` argument of a collective over ``axes``: the one name, or the tuple."""
     return axes if len(axes) != 1 else axes[0]
 
 
@@ -60,7 +61,7 @@ def exact_sum(x, axes: tuple[str, ...]):
     if not axes:
         return x
     bits, back = _as_bits(x)
-    return back(jax.lax.psum(bits, _axis(axes)))
+    return back(jax.lax.psum(bits, axis_name(axes)))
 
 
 def exact_sum_scatter(x, axes: tuple[str, ...]):
@@ -70,7 +71,7 @@ def exact_sum_scatter(x, axes: tuple[str, ...]):
     if not axes:
         return x
     bits, back = _as_bits(x)
-    return back(jax.lax.psum_scatter(bits, _axis(axes), scatter_dimension=0, tiled=True))
+    return back(jax.lax.psum_scatter(bits, axis_name(axes), scatter_dimension=0, tiled=True))
 
 
 def gather_rows(table_local, ids, axes: tuple[str, ...]):
@@ -80,8 +81,8 @@ def gather_rows(table_local, ids, axes: tuple[str, ...]):
     if not axes:
         return jnp.take(table_local, ids, axis=0)
     rows = table_local.shape[0]
-    me = jax.lax.axis_index(_axis(axes))
-    all_ids = jax.lax.all_gather(ids, _axis(axes))               # [n, *ids.shape]
+    me = jax.lax.axis_index(axis_name(axes))
+    all_ids = jax.lax.all_gather(ids, axis_name(axes))               # [n, *ids.shape]
     local = all_ids.astype(jnp.int32) - me * rows
     mine = (local >= 0) & (local < rows)
     got = jnp.take(table_local, jnp.where(mine, local, 0), axis=0)
