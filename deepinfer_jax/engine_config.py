@@ -49,7 +49,8 @@ _FIELD_TYPES = {
     "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
-    "dp": ("int", 1, False), "cp": ("int", 1, False), "ep_scheme": ("str", None, False),
+    "dp": ("int", 1, False), "cp": ("int", 1, False), "cp_min_tokens": ("int", 1, True),
+    "ep_scheme": ("str", None, False),
     "eplb_redundant_experts": ("int", 0, False), "eplb_window": ("int", 1, False), "eplb_interval": ("int", 0, False),
     "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
@@ -102,10 +103,15 @@ class EngineConfig:
     kernels: str | None = None             # "auto" | "reference" | "ffi"; None: $DEEPINFER_KERNELS or "auto"
     # the mesh (sharding/mesh.py). dp > 1: attention data parallel, each rank its own requests and
     # cache (runner/dp_runner.py); max_num_seqs, num_blocks and max_num_batched_tokens are then
-    # per rank. The experts are split over dp x cp. cp > 1 alone: experts and Engram tables split
-    # over cp, attention replicated (balanced context parallelism is not built)
+    # per rank. The experts are split over dp x cp. cp > 1: balanced context parallelism, a
+    # rank's long steps split over its cp devices (sharding/context_parallel.py)
     dp: int = 1
     cp: int = 1
+    # cp > 1: a step whose per-rank token bucket holds at least this many tokens (and divides
+    # over cp) splits them over the rank's cp devices, long prompt chunks in the mirror layout
+    # (base/cp_layout.py); smaller steps (decode) run every token's attention on each cp device.
+    # None: never split
+    cp_min_tokens: int | None = 512
     # attention DP: how tokens reach their experts (kernels_pallas/moe_ep.py): "a2a" (each
     # (token, slot) to the device owning its expert, ragged all-to-all) or "psum" (all tokens to
     # every device, an exact sum back); the outputs are bit-identical

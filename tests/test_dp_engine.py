@@ -4,8 +4,9 @@ One subprocess with ``--xla_force_host_platform_device_count=8`` (JAX in this pr
 run on one device) serves a mixed batch — prompts of 5 to 150 tokens chunked under a 64-token
 budget per rank, a second wave sharing 80-token prefixes with the first (prefix hits), blocks
 short enough to preempt — on one device and on ``dp=8``, ``dp=4 x cp=2`` (both EP schemes),
-``dp=2 x cp=4``, ``dp=2 x cp=4`` with DSpark speculation and ``cp=8`` (EP over 8 without DP,
-the GSPMD step), and reports the greedy tokens,
+``dp=2 x cp=4``, ``dp=2 x cp=4`` with DSpark speculation and ``cp=8`` (EP over 8 without DP;
+no step here is long enough to split over cp, ``test_context_parallel.py`` does that), and
+reports the greedy tokens,
 their logprobs, cache placement and scheduler counts as JSON.
 
 The exchange primitives (``moe_experts_dp``, ``manual.gather_rows``) are checked on random
@@ -92,7 +93,7 @@ def test_dp_engine_matches_one_device(ckpt):
         dp, cp = cfg.get("dp", 1), cfg.get("cp", 1)
         assert run["tokens"] == ref["tokens"], cfg
         assert run["experts_split"] and dp * cp == 8
-        if dp == 1:  # EP over 8 without DP: GSPMD partitions the step, the caches are replicated
+        if dp == 1:  # EP over 8 without DP: one rank, its cache replicated on its 8 cp devices
             assert run["device_bytes"] == [run["cache_bytes"]] * 8
             continue
         if cfg["num_blocks"] == 24 and dp >= 4:  # wave 2 went to the ranks holding its prefixes
@@ -117,7 +118,7 @@ _EXCHANGE_SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from deepinfer_jax.checkpoint import quant_formats as qf
     from deepinfer_jax.kernels_pallas import moe_ep, moe_gmm_ref
-    from deepinfer_jax.sharding import manual
+    from deepinfer_jax.sharding import context_parallel, manual
     from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
 
     for dp, cp in ((4, 2), (2, 4), (8, 1)):
@@ -153,6 +154,25 @@ _EXCHANGE_SCRIPT = textwrap.dedent("""
                                           out_specs=P("dp"), check_vma=False))
                 got[scheme] = np.asarray(f(x, idx, wt, *placed), np.float32)
                 np.testing.assert_array_equal(got[scheme], np.asarray(ref, np.float32))
+            if cp > 1:   # a context-parallel step: each device its own 3 tokens (they differ over cp too)
+                n_c = dp * cp * 3
+                xc = jnp.asarray(rng.standard_normal((n_c, D)), jnp.bfloat16)
+                ic = jnp.asarray(rng.integers(-1, E, (n_c, X)), jnp.int32)
+                wc = jnp.asarray(rng.uniform(0.1, 1, (n_c, X)), jnp.float32)
+                with jax.set_mesh(mesh):
+                    ref_c = jax.jit(lambda *a: moe_ep.moe_experts_ep(moe_gmm_ref.moe_experts_ref, *a, fmt, 0.75, E))(
+                        xc, ic, wc, *placed)
+                for scheme in ("a2a", "psum"):
+                    def body(x_, i_, w_, a, b, c, s=scheme):
+                        with context_parallel.use(jnp.arange(3), jnp.ones(3, bool)):
+                            return moe_ep.moe_experts_dp(moe_gmm_ref.moe_experts_ref, x_, i_, w_, a, b, c, fmt, 0.75,
+                                                         E, scheme=s)
+                    tok = P(("dp", "cp"))
+                    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *map(wspec, ws)),
+                                              out_specs=tok, check_vma=False))
+                    np.testing.assert_array_equal(np.asarray(f(xc, ic, wc, *placed), np.float32),
+                                                  np.asarray(ref_c, np.float32))
+                print("moe cp", dp, cp, E, fmt, axes)
             print("moe", dp, cp, E, fmt, axes)
         # row-split fp8 table with ue8m0 scales: lookups equal jnp.take, bit for bit
         rows = 8 * 6
@@ -177,14 +197,16 @@ _EXCHANGE_SCRIPT = textwrap.dedent("""
 
 
 def test_dp_exchanges_are_exact():
-    """``moe_experts_dp`` (both schemes, experts split over dp x cp, over dp only, over cp only)
-    equals the established EP op on all ranks' tokens, bit for bit; ``gather_rows`` equals
+    """``moe_experts_dp`` (both schemes, experts split over dp x cp, over dp only, over cp only;
+    tokens split over dp, or over dp and cp as in a context-parallel step) equals the
+    established EP op on all ranks' tokens, bit for bit; ``gather_rows`` equals
     ``jnp.take`` on a row-split fp8 table; ``exact_sum`` keeps every bit."""
     r = subprocess.run([sys.executable, "-c", _EXCHANGE_SCRIPT], env=cpu_devices_env(8), cwd=str(REPO), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     lines = r.stdout.splitlines()
-    assert sum(ln.startswith("moe") for ln in lines) == 9 and sum(ln.startswith("rows") for ln in lines) == 3
+    assert sum(ln.startswith("moe ") and "cp" not in ln.split()[1] for ln in lines) == 9
+    assert sum(ln.startswith("moe cp") for ln in lines) == 6 and sum(ln.startswith("rows") for ln in lines) == 3
     assert "sum ok" in lines
 
 

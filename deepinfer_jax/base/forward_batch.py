@@ -21,6 +21,9 @@ Bounded replay and YOCO truncation (FEATURES §5) use three per-row positions:
 
 ``decoder`` (optional, the ``compact`` truncation mode): the tokens the decoder layers compute,
 as a sub-batch; ``None`` runs the decoder layers on every token (``off`` and ``mask`` modes).
+
+``cp`` (optional, balanced context parallelism): which of a dp rank's cp devices computes which
+token (``base/cp_layout.py``); ``None`` computes every token on every device.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Sequence
 
 import jax
 import numpy as np
+
+from deepinfer_jax.base.cp_layout import CPLayout, mirror_layout
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +56,7 @@ class ForwardBatch:
     row_dec_floor: jax.Array     # int32 [R]
     row_cache_start: jax.Array   # int32 [R]
     decoder: "DecoderView | None" = None
+    cp: CPLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,11 +98,12 @@ class RowSpec:
 def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_blocks: int,
                 num_slots: int, n_engram_layers: int, n_hash_cols: int,
                 logits: str | Sequence[int] = "last", num_logits: int | None = None,
-                num_decoder_tokens: int | None = None) -> ForwardBatch:
+                num_decoder_tokens: int | None = None, cp_devices: int | None = None) -> ForwardBatch:
     """Pack rows into a padded ``ForwardBatch``. ``logits``: ``"last"`` (each row's last token),
     ``"all"`` (every token) or explicit flat indices; padded to ``num_logits`` with index 0.
     ``num_decoder_tokens`` (compact truncation) adds the ``DecoderView`` of the tokens at or above
-    each row's decoder floor, padded to that size; logits indices must all be such tokens."""
+    each row's decoder floor, padded to that size; logits indices must all be such tokens.
+    ``cp_devices`` (> 1) adds the balanced context-parallel layout over that many devices."""
     lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     engram = None
     if n_engram_layers and any(r.engram_ids is not None for r in rows):
@@ -115,14 +122,14 @@ def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_
         np.fromiter((r.cache_start for r in rows), np.int64, len(rows)),
         engram_ids=engram, num_tokens=num_tokens, num_rows=num_rows, max_blocks=max_blocks,
         num_slots=num_slots, n_engram_layers=n_engram_layers, n_hash_cols=n_hash_cols, logits=logits,
-        num_logits=num_logits, num_decoder_tokens=num_decoder_tokens)
+        num_logits=num_logits, num_decoder_tokens=num_decoder_tokens, cp_devices=cp_devices)
 
 
 def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]], floors, dec_floors,
                cache_starts, *, engram_ids=None, num_tokens: int, num_rows: int, max_blocks: int,
                num_slots: int, n_engram_layers: int, n_hash_cols: int,
                logits: str | Sequence[int] | np.ndarray = "last", num_logits: int | None = None,
-               num_decoder_tokens: int | None = None) -> ForwardBatch:
+               num_decoder_tokens: int | None = None, cp_devices: int | None = None) -> ForwardBatch:
     """``build_batch`` from per-row arrays, without a Python loop over rows (the engine's hot
     path): ``token_ids`` the rows' tokens concatenated, ``lengths`` / ``starts`` / ``slots`` /
     ``floors`` / ``dec_floors`` (already ``>= floors``) / ``cache_starts`` one entry per row,
@@ -190,8 +197,9 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
     if num_decoder_tokens is not None:
         dec = _decoder_view(n_R, off_R, start_R, dfloor[:nr].astype(np.int64), row_of_t, j_t, li,
                             num_decoder_tokens, num_rows, n_l)
+    cp = mirror_layout(n_R, num_tokens, cp_devices) if cp_devices and cp_devices > 1 else None
     return ForwardBatch(tok, pos, trow, valid, eids, slot, start, length, off, bt, li_arr,
-                        floor, dfloor, cstart, dec)
+                        floor, dfloor, cstart, dec, cp)
 
 
 def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_dec: int, num_rows: int,

@@ -69,13 +69,14 @@ class LLM:
         from deepinfer_jax.engine.llm_engine import LLMEngine
         from deepinfer_jax.runner.model_runner import ModelRunner
 
-        # attention data parallel; a multi-process mesh always takes the DP program (its outputs
-        # come back to every process)
+        # attention data parallel and balanced context parallelism; a multi-process mesh always
+        # takes the DP program (its outputs come back to every process)
         if mesh is None and ec.eplb_redundant_experts:  # redundant experts live in the DP program
             from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
 
             mesh = make_mesh(ParallelConfig(), devices=jax.devices()[:1])
-        if mesh is not None and (mesh.shape.get("dp", 1) > 1 or jax.process_count() > 1 or ec.eplb_redundant_experts):
+        if mesh is not None and (mesh.shape.get("dp", 1) > 1 or mesh.shape.get("cp", 1) > 1
+                                 or jax.process_count() > 1 or ec.eplb_redundant_experts):
             from deepinfer_jax.runner.dp_runner import DPModelRunner
 
             self.runner = DPModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from deepinfer_jax.sharding import manual
+from deepinfer_jax.sharding import context_parallel, manual
 from deepinfer_jax.sharding.partition import split_axes
 from deepinfer_jax.sharding.ragged_a2a import native_supported, ragged_all_to_all
 
@@ -193,7 +193,8 @@ def current_scheme() -> str:
 def moe_experts_dp(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt: str, swiglu_limit: float,
                    n_experts: int, *, scheme: str | None = None) -> jax.Array:
     """The routed experts inside the attention-DP step, where every mesh axis is manual: the
-    ``T`` tokens are this dp rank's own (the same on each device of its cp group), the expert
+    ``T`` tokens are this dp rank's own (the same on each device of its cp group, or, in a
+    context-parallel step, this device's own share of them), the expert
     weights are this device's ``E / n`` local experts. Same ``[T, X, D]`` as ``local_fn`` over
     all experts on one device, bit for bit, under either scheme:
 
@@ -212,7 +213,9 @@ def moe_experts_dp(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt:
         return local_fn(x_TD, idx_TX, weight_TX, w1, w2, w3, fmt, swiglu_limit, n_experts)
     n = manual.axes_size(e_axes)
     e_ax = manual.axis_name(e_axes)
-    tok_axes = tuple(a for a in ("dp",) if a in mesh.shape and mesh.shape[a] > 1)   # tokens differ over these
+    # tokens differ over dp, and over cp in a context-parallel step (sharding/context_parallel.py)
+    differ = ("dp",) + context_parallel.split_axes()
+    tok_axes = tuple(a for a in mesh.axis_names if a in differ and mesh.shape[a] > 1)
     rep_axes = tuple(a for a in manual.manual_axes() if a not in tok_axes and mesh.shape[a] > 1)
     if scheme == "a2a":
         m = manual.axes_size(rep_axes) if rep_axes else 1
@@ -237,9 +240,8 @@ def moe_experts_dp(local_fn: Callable, x_TD, idx_TX, weight_TX, w1, w2, w3, fmt:
     sum_axes = tuple(a for a in e_axes if a not in tok_axes)
     scatter_axes = tuple(a for a in tok_axes if a in e_axes)
     y = manual.exact_sum(y, sum_axes)
-    if scatter_axes:
-        y = manual.exact_sum_scatter(y, scatter_axes)
-    if tuple(tok_axes) != tuple(scatter_axes):  # experts not split over dp: every rank has all rows
-        k = jax.lax.axis_index(manual.axis_name(tok_axes))
-        y = jax.lax.dynamic_slice_in_dim(y, k * T, T)
-    return y
+    if scatter_axes == tok_axes:   # each token group's rows summed onto its own devices
+        return manual.exact_sum_scatter(y, scatter_axes)
+    y = manual.exact_sum(y, scatter_axes)   # experts not split over every token axis: all rows
+    k = jax.lax.axis_index(manual.axis_name(tok_axes))
+    return jax.lax.dynamic_slice_in_dim(y, k * T, T)

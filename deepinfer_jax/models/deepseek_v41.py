@@ -29,6 +29,7 @@ from deepinfer_jax.layers.moe import MoE
 from deepinfer_jax.layers.norms import RMSNorm
 from deepinfer_jax.models.cache import ModelCache, cache_block_tokens
 from deepinfer_jax.base.forward_batch import ForwardBatch
+from deepinfer_jax.sharding import context_parallel
 
 
 class Block(nnx.Module):
@@ -125,29 +126,40 @@ class DeepseekV41ForCausalLM(nnx.Module):
         """One ragged step. Returns ``(cache', logits [L, V] f32 at batch.logits_indices,
         main_hidden [T, n_targets*D] or None)``. With ``batch.decoder`` (compact truncation) the
         decoder layers run on its tokens: logits are at its ``logits_indices`` and main_hidden
-        has its ``T'`` rows."""
+        has its ``T'`` rows. With ``batch.cp`` (balanced context parallelism, inside the DP
+        step's ``shard_map``) each cp device computes its own tokens up to the head, or up to
+        the decoder layers of a compact truncation (``sharding/context_parallel.py``)."""
         cfg = self.cfg
         ctx = self._context(cache, batch, taps)
-        x = self.embed(batch.token_ids)
+        n = cfg.num_hidden_layers
+        split = n if batch.decoder is None else min(cfg.yoco_start_layer, n)
+        if batch.cp is not None:
+            if taps is not None:
+                raise ValueError("DeepseekV41ForCausalLM: taps are not recorded in a context-parallel step")
+            ctx = ctx.localized()
+        x = self.embed(ctx.batch.token_ids)
         x = jnp.repeat(x[:, None, :], cfg.hc_mult, axis=1)
         pre = jnp.zeros(x.shape[:2], jnp.float32).at[:, 0].set(1.0)
         main = []
-        for i, block in enumerate(self.layers):
-            if i == cfg.yoco_start_layer and batch.decoder is not None:
-                # compact YOCO truncation: the decoder layers run on the kept tokens only
-                keep = batch.decoder.token_index
-                x, pre, main = x[keep], pre[keep], [m[keep] for m in main]
-                ctx = ctx.compacted()
-                batch = ctx.batch
-            if hasattr(block, "engram"):
-                e = cfg.engram_layer_ids.index(i)
-                x = block.engram(x, batch.engram_ids[:, e, :])
-                ctx.tap(f"engram{i}_out", x)
-            if i in cfg.dspark_target_layer_ids:
-                main.append(bi.row_mean(x.astype(jnp.float32), axis=1).astype(x.dtype))
-            x, pre = block(x, pre, lambda h, b=block: b.attn(ctx, h), taps)
-            ctx.tap(f"block{i}_h", x)
-            ctx.tap(f"block{i}_pre_mix", pre)
+        if ctx.cp_split:
+            with context_parallel.use(ctx.flat_T, ctx.valid):
+                x, pre = self._blocks(ctx, x, pre, main, 0, split, taps)
+            # back to flat order on every cp device: the rest (decoder layers, head) is whole
+            x, pre = ctx.fresh(x), ctx.fresh(pre)
+            main = [ctx.fresh(m) for m in main]
+            whole = ctx.all
+            whole.topk_idx = {k: ctx.fresh(v) for k, v in ctx.topk_idx.items()}
+            whole.candidates = {k: ctx.fresh(v) for k, v in ctx.candidates.items()}
+            ctx = whole
+        else:
+            x, pre = self._blocks(ctx, x, pre, main, 0, split, taps)
+        if split < n:
+            # compact YOCO truncation: the decoder layers run on the kept tokens only
+            keep = batch.decoder.token_index
+            x, pre, main = x[keep], pre[keep], [m[keep] for m in main]
+            ctx = ctx.compacted()
+            x, pre = self._blocks(ctx, x, pre, main, split, n, taps)
+        batch = ctx.batch
         h = self.norm(mhc.collapse(x, pre))
         ctx.tap("final_norm_out", h)
         logits = self.logits(h[batch.logits_indices])
@@ -156,6 +168,22 @@ class DeepseekV41ForCausalLM(nnx.Module):
             ctx.tap("main_hidden", main_hidden)
             self._seed_dspark(ctx, main_hidden)
         return self._pack(ctx), logits, main_hidden
+
+    def _blocks(self, ctx: StepContext, x, pre, main: list, first: int, last: int, taps):
+        """Layers ``[first, last)`` on ``ctx``'s tokens; DSpark target layers' inputs -> ``main``."""
+        cfg = self.cfg
+        for i in range(first, last):
+            block = self.layers[i]
+            if hasattr(block, "engram"):
+                e = cfg.engram_layer_ids.index(i)
+                x = block.engram(x, ctx.batch.engram_ids[:, e, :])
+                ctx.tap(f"engram{i}_out", x)
+            if i in cfg.dspark_target_layer_ids:
+                main.append(bi.row_mean(x.astype(jnp.float32), axis=1).astype(x.dtype))
+            x, pre = block(x, pre, lambda h, b=block: b.attn(ctx, h), taps)
+            ctx.tap(f"block{i}_h", x)
+            ctx.tap(f"block{i}_pre_mix", pre)
+        return x, pre
 
     def _seed_dspark(self, ctx: StepContext, main_hidden_TX: jax.Array) -> None:
         """Write every stage's ``kv(main_x)`` of this step's positions into its ring."""

@@ -19,9 +19,11 @@ name local slot and block ids. One step:
 * outputs come back ``[dp * R, ...]``; rank ``k``'s ``j``-th row is row ``k*R + j``
   (``row_map``, ``StepHandle(row_index=...)``).
 
-The cp devices of a rank run its attention redundantly (balanced context parallelism, which
-would split long prefills over them, is not built); they each send a distinct share of the
-rank's tokens to the experts.
+Balanced context parallelism (``EngineConfig.cp_min_tokens``): a step whose per-rank bucket is
+that large carries the mirror layout of its tokens over the rank's cp devices
+(``base/cp_layout.py``) and each cp device computes its own share, exchanging keys, not
+recomputing them (``sharding/context_parallel.py``). Smaller steps (decode) run the rank's
+attention on every cp device; each of them sends a distinct share of the tokens to the experts.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ class DPModelRunner(ModelRunner):
         if mesh is None or "dp" not in mesh.shape:  # dp = 1 runs the DP program on one rank (its benchmark)
             raise ValueError(f"DPModelRunner: needs a mesh with a 'dp' axis, got {None if mesh is None else dict(mesh.shape)}")
         self.dp = int(mesh.shape["dp"])
+        self.cp = int(mesh.shape.get("cp", 1))
+        self.cp_split_steps = 0   # steps dispatched with their tokens split over cp
         if jax.process_count() > 1 and getattr(ec, "spec_decode", "off") == "dspark" and ec.spec_varlen:
             raise ValueError("EngineConfig.spec_varlen=True: on a multi-process mesh every process plans its "
                              "verification lengths from its own step-time measurements, so the plans would "
@@ -259,16 +263,23 @@ class DPModelRunner(ModelRunner):
     def step_inputs(self, sched, T: int, R: int, Td: int | None):
         """Every rank's packed inputs at the per-rank bucket, stacked ``[dp, n]`` and split over ``dp``."""
         plans = self._rank_plans(sched)
+        split = self.cp_splits(T)
+        self.cp_split_steps += split
         common = dict(num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=self.cache_config,
                       hasher=self.hasher, vocab=self.cfg.vocab_size, prompt_lp=sched.wants_prompt_logprobs,
                       spec_slots=self.spec_slots, num_banned=banned_width(sched),
-                      with_masks=bool(sched.grammar_masks))
+                      with_masks=bool(sched.grammar_masks), cp_devices=self.cp if split else None)
         packed = [pack(build_step_input(p, **common)) for p in plans]
         layout = packed[0][1]
         bufs = tuple(np.stack([b[i] for b, _ in packed]) for i in range(len(packed[0][0])))
         if self.mesh.size == 1:  # one device: the jitted call transfers them as it does the plain step's
             return bufs, layout
         return jax.device_put(bufs, NamedSharding(self.mesh, DP)), layout
+
+    def cp_splits(self, T: int) -> bool:
+        """Whether a step of per-rank bucket ``T`` splits its tokens over the cp devices."""
+        m = self.ec.cp_min_tokens
+        return self.cp > 1 and m is not None and T >= m and T % self.cp == 0
 
     def step_call(self, bufs, layout, prompt_lp: bool):
         ec = self.ec

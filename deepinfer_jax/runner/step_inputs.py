@@ -68,11 +68,13 @@ def banned_width(sched) -> int:
 
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
                      cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0,
-                     num_banned: int | None = None, with_masks: bool | None = None) -> StepInput:
+                     num_banned: int | None = None, with_masks: bool | None = None,
+                     cp_devices: int | None = None) -> StepInput:
     """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes.
     ``num_banned`` (default ``banned_width(sched)``) and ``with_masks`` (default: whether a row
     has a grammar mask) fix those parts of the layout, so that the DP ranks' inputs of one step
-    share it.
+    share it. ``cp_devices`` (> 1): the tokens' balanced context-parallel layout over that many
+    devices (``base/cp_layout.py``).
 
     Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
     once into arrays, the Engram hashes of every known token and the partial hashes of every
@@ -151,7 +153,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         np.fromiter((r.cache_start for r in rows), np.int64, nr), engram_ids=eids,
         num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq, num_slots=cc.num_slots,
         n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
-        logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens)
+        logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens,
+        cp_devices=cp_devices)
     srows = [_PAD_ROW] * num_rows
     for i in np.flatnonzero(sample_R):
         r = rows[i]

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.sharding import context_parallel
+
 
 def physical_ids(idx_TX: jax.Array, log2phy_EM: jax.Array, logcnt_E: jax.Array) -> jax.Array:
     """int32 ``[T, X]`` physical slots of the logical routing ``idx_TX``; entries outside
@@ -127,8 +129,13 @@ def route(layer: int, idx_TX: jax.Array, n_experts: int):
     live = state["live"]
     if state["live_dec"] is not None and state["dec_from"] is not None and layer >= state["dec_from"]:
         live = state["live_dec"]
+    if live is not None:
+        live = context_parallel.localize_mask(live)   # a CP step: this device's tokens
     counted = phys if live is None or live.shape[0] != phys.shape[0] else jnp.where(live[:, None], phys, -1)
-    state["loads"][layer] = physical_load(counted, R)
+    load = physical_load(counted, R)
+    if context_parallel.split_axes():   # a CP step's cp devices route distinct tokens
+        load = jax.lax.psum(load, context_parallel.split_axes())
+    state["loads"][layer] = load
     return phys, R
 
 

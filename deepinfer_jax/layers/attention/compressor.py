@@ -37,24 +37,26 @@ class Compressor(nnx.Module):
         done = ctx.valid & ((ctx.pos + 1) % r == 0)
         if r == 1:
             return self.norm(self.wkv(x_TD)), done
-        kv = self.wkv(x_TD)      # fp32 [T, A]
-        score = self.wgate(x_TD)  # fp32 [T, A]
+        # every token's projections of the step (CP: gathered; a group crosses chunk boundaries)
+        kv = ctx.fresh(self.wkv(x_TD))      # fp32 [T, A]
+        score = ctx.fresh(self.wgate(x_TD))  # fp32 [T, A]
         st_kv = ctx.cache["comp_state_kv"][src]
         st_sc = ctx.cache["comp_state_score"][src]
-        T, M = x_TD.shape[0], st_kv.shape[1]
+        T, M = kv.shape[0], st_kv.shape[1]
         mem_kv, mem_sc = [], []
         for m in range(r):
             q = ctx.pos - (r - 1) + m                         # member position
-            t = jnp.clip(jnp.arange(T) - (r - 1) + m, 0, T - 1)  # its token index if fresh
+            t = jnp.clip(ctx.flat_T - (r - 1) + m, 0, T - 1)  # its flat token index if fresh
             fresh = q >= ctx.start_T
             slot = jnp.clip(ctx.slot_T, 0, st_kv.shape[0] - 1)
             mem_kv.append(jnp.where(fresh[:, None], kv[t], st_kv[slot, q % M]))
             mem_sc.append(jnp.where(fresh[:, None], score[t], st_sc[slot, q % M]))
         kv_g, sc_g = jnp.stack(mem_kv, 1), jnp.stack(mem_sc, 1)  # [T, r, A]
         latent = bi.row_sum(kv_g * bi.softmax(sc_g, axis=1), axis=1)
-        # keep each row's last M positions as the pending group state
-        keep = ctx.valid & (ctx.pos >= ctx.end_T - M)
-        s = jnp.where(keep, ctx.slot_T, DROP)
-        ctx.cache["comp_state_kv"][src] = st_kv.at[s, ctx.pos % M].set(kv, mode="drop")
-        ctx.cache["comp_state_score"][src] = st_sc.at[s, ctx.pos % M].set(score, mode="drop")
+        # keep each row's last M positions as the pending group state (every token's: ctx.all)
+        a = ctx.all
+        keep = a.valid & (a.pos >= a.end_T - M)
+        s = jnp.where(keep, a.slot_T, DROP)
+        ctx.cache["comp_state_kv"][src] = st_kv.at[s, a.pos % M].set(kv, mode="drop")
+        ctx.cache["comp_state_score"][src] = st_sc.at[s, a.pos % M].set(score, mode="drop")
         return self.norm(latent.astype(jnp.bfloat16)), done

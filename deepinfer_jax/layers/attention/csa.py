@@ -85,7 +85,7 @@ class Attention(nnx.Module):
             cache = ctx.cache["comp_kv"][src]
             flat = cache.reshape(-1, cache.shape[-1])
             dst = jnp.where(done & (ctx.pos >= ctx.cache_start_T), ctx.entry_index(ctx.pos // r, r), DROP)
-            ctx.cache["comp_kv"][src] = flat.at[dst].set(ckv, mode="drop").reshape(cache.shape)
+            ctx.cache["comp_kv"][src] = ctx.scatter(flat, dst, ckv).reshape(cache.shape)
         if hasattr(self, "indexer"):
             ctx.topk_idx[src] = self.indexer(ctx, x_TD, qr_TQ, src, r, self.freqs, tag=str(self.layer))
         pos_TK = ctx.topk_idx[src]
@@ -99,7 +99,7 @@ class Attention(nnx.Module):
         q, qr = self.project_q(x_TD, pos)
         if hasattr(self, "indexer"):
             ctx.tap(f"attn{self.layer}_q", q)  # the indexer's training target (its attention)
-        kv = self.project_kv(x_TD, pos)
+        kv = ctx.fresh(self.project_kv(x_TD, pos))   # every token's KV of the step (CP: gathered)
         ring = ctx.cache["window"][self.layer]
         S, W, A = ring.shape
         pools = [jnp.concatenate([ring.reshape(S * W, A), kv], axis=0)]

@@ -54,9 +54,8 @@ class Indexer(nnx.Module):
         if ctx.cache["index_k_scale"]:  # fp8 cache: e5m2 codes + a power of two per key (exact)
             k, scale = quant.pack_index_keys(k)
             cache_s = ctx.cache["index_k_scale"][src]
-            ctx.cache["index_k_scale"][src] = (cache_s.reshape(-1).at[dst].set(scale, mode="drop")
-                                               .reshape(cache_s.shape))
-        ctx.cache["index_k"][src] = flat.at[dst].set(k, mode="drop").reshape(cache.shape)
+            ctx.cache["index_k_scale"][src] = ctx.scatter(cache_s.reshape(-1), dst, scale).reshape(cache_s.shape)
+        ctx.cache["index_k"][src] = ctx.scatter(flat, dst, k).reshape(cache.shape)
 
     def __call__(self, ctx: StepContext, x_TD, qr_TQ, src: int, ratio: int, freqs: np.ndarray,
                  tag: str = "") -> jax.Array:

@@ -6,6 +6,12 @@ Window entries of a token at position p: positions ``base + i`` for ``i < W`` wi
 unused) — the reference's entry order.
 A position computed in this step is read from this step's fresh KV (the ring may already have
 been overwritten by a later position of a long chunk); older ones from the request's ring.
+
+Balanced context parallelism (``batch.cp``, ``sharding/context_parallel.py``): ``localized()``
+is the context of this cp device's tokens. Its per-token views are the local tokens'; the fresh
+KV they index is every token's (``fresh``), in flat order; ``all`` is the whole step's context
+(the window rings and compressor state are written through it) and ``scatter`` applies every
+device's cache writes on every device.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.base.forward_batch import ForwardBatch
+from deepinfer_jax.sharding import context_parallel
 
 DROP = jnp.iinfo(jnp.int32).max  # scatter index that `mode="drop"` discards
 
@@ -35,6 +42,9 @@ class StepContext:
 
     def __post_init__(self):
         b = self.batch
+        self.all = self                         # the whole step's context (itself without CP)
+        self.flat_T = jnp.arange(b.num_tokens)  # each token's index among the step's flat tokens
+        self.home_T = None                      # CP: where the all-gather holds each flat token
         row = b.token_row
         self.pos = b.positions
         self.valid = b.token_valid
@@ -61,6 +71,34 @@ class StepContext:
         ctx.candidates = {k: v[i] for k, v in self.candidates.items()}
         return ctx
 
+    # ---------------------------------------------------------------- context parallel
+    @property
+    def cp_split(self) -> bool:
+        return self.home_T is not None
+
+    def localized(self) -> "StepContext":
+        """The context of this cp device's tokens of a CP step (``batch.cp``), sharing this
+        one's cache; ``all`` of the result is this context."""
+        b, lay = self.batch, self.batch.cp
+        me = context_parallel.my_index()
+        i, ok = lay.index_PN[me], lay.valid_PN[me]
+        sub = dataclasses.replace(b, token_ids=b.token_ids[i], positions=b.positions[i], token_row=b.token_row[i],
+                                  token_valid=b.token_valid[i] & ok, engram_ids=b.engram_ids[i])
+        ctx = StepContext(sub, self.cache, self.block_tokens, self.num_slots, self.taps)
+        ctx.all, ctx.flat_T, ctx.home_T = self, i, lay.home_T
+        return ctx
+
+    def fresh(self, x_TX: jax.Array) -> jax.Array:
+        """This step's rows of every token in flat order (this context's own rows without CP)."""
+        return x_TX if self.home_T is None else context_parallel.fresh(x_TX, self.home_T)
+
+    def scatter(self, array, index, value):
+        """``array.at[index].set(value, mode="drop")`` with every cp device's writes (CP)."""
+        if self.home_T is not None:
+            index = jax.tree.map(context_parallel.gather, index)
+            value = context_parallel.gather(value)
+        return array.at[index].set(value, mode="drop")
+
     # ---------------------------------------------------------------- sliding window
     def window_index(self, W: int, ring_rows: int, decoder: bool = False) -> jax.Array:
         """``[T, W]`` indices into ``concat(ring.reshape(S*W, A), fresh_kv_T)`` (-1 unused);
@@ -75,7 +113,10 @@ class StepContext:
         return jnp.where(ok, jnp.where(fresh, fresh_i, ring_i), -1).astype(jnp.int32)
 
     def ring_write(self, ring_SWA: jax.Array, kv_TA: jax.Array) -> jax.Array:
-        """Write each row's last W positions of this step into its ring."""
+        """Write each row's last W positions of this step into its ring (``kv_TA``: every token's
+        KV of the step, ``fresh``; under CP the whole step's context writes it)."""
+        if self.home_T is not None:
+            return self.all.ring_write(ring_SWA, kv_TA)
         W = ring_SWA.shape[1]
         keep = self.valid & (self.pos >= self.end_T - W)
         s = jnp.where(keep, self.slot_T, DROP)
