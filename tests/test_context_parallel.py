@@ -7,7 +7,8 @@ capacity kept when long rows crowd a step.
 The engine (a subprocess on 8 CPU devices): a mixed batch (prompts of 5-200 tokens chunked under
 a 64-token budget per rank, a second wave of prefix hits, 12-block configurations that preempt,
 compact YOCO truncation) on one device and with every step's tokens split over the cp devices:
-``dp=2 x cp=4`` (all-to-all EP, EPLB load counting) and ``cp=8`` (psum EP, DSpark speculation).
+``dp=2 x cp=4`` (all-to-all EP, EPLB load counting), ``cp=8`` (psum EP, DSpark speculation) and
+``dp=2 x cp=4`` without YOCO truncation (the decoder layers split too).
 All runs use ``batch_invariant=True``, whose logits do not depend on the step's shape, so a CP
 run must give the one-device logprobs bit for bit; without it a CP device's step has ``T / P``
 tokens instead of ``T`` and rounds differently (as any change of the step shape does).
@@ -107,7 +108,10 @@ split = dict(cp_min_tokens=64)   # every step (bucket 64) splits over cp
 configs = [dict(num_blocks=12),
            dict(dp=2, cp=4, num_blocks=12, eplb_redundant_experts=8, eplb_interval=0, **split),
            dict(dp=2, cp=4, num_blocks=12, eplb_redundant_experts=8, eplb_interval=0, cp_min_tokens=None),
-           dict(cp=8, num_blocks=24, ep_scheme="psum", spec_decode="dspark", spec_varlen=False, **split)]
+           dict(cp=8, num_blocks=24, ep_scheme="psum", spec_decode="dspark", spec_varlen=False, **split),
+           # no YOCO truncation: the decoder layers run split over cp too (their own reference)
+           dict(num_blocks=12, yoco_truncation="off"),
+           dict(dp=2, cp=4, num_blocks=12, yoco_truncation="off", **split)]
 report = []
 for extra in configs:
     llm = LLM({ckpt!r}, **base, **extra)
@@ -141,11 +145,11 @@ def test_cp_engine_equals_one_device_bit_for_bit(ckpt):
     r = subprocess.run([sys.executable, "-c", _SCRIPT.format(ckpt=str(ckpt))], env=cpu_devices_env(8), cwd=str(REPO),
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, f"8-device run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    ref, cp_eplb, no_split, cp8 = json.loads(r.stdout.strip().splitlines()[-1])
+    ref, cp_eplb, no_split, cp8, ref_off, cp_off = json.loads(r.stdout.strip().splitlines()[-1])
     assert ref["preemptions"] > 0, "the batch should preempt on one device"
-    for run in (cp_eplb, no_split, cp8):
-        assert run["tokens"] == ref["tokens"], run["config"]
-        assert run["logprobs"] == ref["logprobs"], run["config"]   # bit for bit
+    for want, run in ((ref, cp_eplb), (ref, no_split), (ref, cp8), (ref_off, cp_off)):
+        assert run["tokens"] == want["tokens"], run["config"]
+        assert run["logprobs"] == want["logprobs"], run["config"]   # bit for bit
     assert cp_eplb["split_steps"] > 0 and cp8["split_steps"] > 0 and no_split["split_steps"] == 0
     assert cp_eplb["preemptions"] > 0 and cp8["cached"] > 0
     # the CP step counts every routed (token, slot) once over its cp devices: the same per-layer
