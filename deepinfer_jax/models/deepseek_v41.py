@@ -144,21 +144,18 @@ class DeepseekV41ForCausalLM(nnx.Module):
         if ctx.cp_split:
             with context_parallel.use(ctx.flat_T, ctx.valid):
                 x, pre = self._blocks(ctx, x, pre, main, 0, split, taps)
-            # back to flat order on every cp device: the rest (decoder layers, head) is whole
-            x, pre = ctx.fresh(x), ctx.fresh(pre)
-            main = [ctx.fresh(m) for m in main]
-            whole = ctx.all
-            whole.topk_idx = {k: ctx.fresh(v) for k, v in ctx.topk_idx.items()}
-            whole.candidates = {k: ctx.fresh(v) for k, v in ctx.candidates.items()}
-            ctx = whole
         else:
             x, pre = self._blocks(ctx, x, pre, main, 0, split, taps)
         if split < n:
-            # compact YOCO truncation: the decoder layers run on the kept tokens only
+            # compact YOCO truncation: the decoder layers run on the kept tokens only (under CP
+            # on every cp device, their rows brought from the tokens' owners)
             keep = batch.decoder.token_index
-            x, pre, main = x[keep], pre[keep], [m[keep] for m in main]
+            x, pre, main = ctx.rows(x, keep), ctx.rows(pre, keep), [ctx.rows(m, keep) for m in main]
             ctx = ctx.compacted()
             x, pre = self._blocks(ctx, x, pre, main, split, n, taps)
+        elif ctx.cp_split:   # back to flat order on every cp device for the head
+            x, pre, main = ctx.fresh(x), ctx.fresh(pre), [ctx.fresh(m) for m in main]
+            ctx = ctx.all
         batch = ctx.batch
         h = self.norm(mhc.collapse(x, pre))
         ctx.tap("final_norm_out", h)

@@ -15,8 +15,9 @@ never recomputed by a device that does not own the token:
   devices of a rank keep identical caches, as without CP. The window rings and compressor
   state are written from the ``fresh`` values, whole.
 
-The model gathers the hidden states back to flat order before the head (and before compact YOCO
-truncation's decoder layers, which run on every cp device: their kept tokens are few).
+The model gathers the hidden states back to flat order before the head; before compact YOCO
+truncation's decoder layers, which run on every cp device (their kept tokens are few), it brings
+only the kept tokens' rows (``rows``).
 
 ``use(index_N, valid_N)`` marks the trace region whose tokens are split (``split_axes()`` tells
 the MoE exchange), and ``localize_mask`` takes a whole-step per-token mask (the expert-load
@@ -30,6 +31,8 @@ import contextvars
 
 import jax
 import jax.numpy as jnp
+
+from deepinfer_jax.sharding import manual
 
 AXIS = "cp"
 
@@ -74,3 +77,17 @@ def gather(x_N: jax.Array, axis: str = AXIS) -> jax.Array:
 def fresh(x_N: jax.Array, home_T: jax.Array, axis: str = AXIS) -> jax.Array:
     """``[T, ...]``: every token's row in flat order, from each device's ``[N, ...]`` rows."""
     return jnp.take(gather(x_N, axis), home_T, axis=0)
+
+
+def rows(x_N: jax.Array, home_T: jax.Array, flat_K: jax.Array, axis: str = AXIS) -> jax.Array:
+    """``[K, ...]``: the rows of flat tokens ``flat_K`` only, on every device: each owner puts
+    its rows in, the others zeros, and an exact sum (bit-cast, ``manual.exact_sum``) adds them.
+    Moves ``K`` rows instead of ``fresh``'s ``T`` (compact YOCO truncation keeps few tokens)."""
+    N = x_N.shape[0]
+    h = home_T[flat_K]
+    mine = (h // N) == my_index(axis)
+    is_bool = x_N.dtype == jnp.bool_
+    v = jnp.take(x_N.astype(jnp.uint8) if is_bool else x_N, h % N, axis=0)
+    v = jnp.where(mine.reshape(mine.shape + (1,) * (v.ndim - 1)), v, jnp.zeros((), v.dtype))
+    out = manual.exact_sum(v, (axis,))
+    return out.astype(jnp.bool_) if is_bool else out

@@ -58,7 +58,15 @@ class StepContext:
 
     def compacted(self) -> "StepContext":
         """The context of the decoder layers' sub-batch (``batch.decoder``), sharing this one's
-        cache; index/candidate results of earlier layers are gathered to its tokens."""
+        cache; index/candidate results of earlier layers are gathered to its tokens. Under CP
+        this is a local context's, and the result is the whole step's sub-batch (every cp
+        device runs the decoder layers)."""
+        if self.home_T is not None:
+            ctx = self.all.compacted()   # the layers' results so far are this context's
+            i = self.all.batch.decoder.token_index
+            ctx.topk_idx = {k: self.rows(v, i) for k, v in self.topk_idx.items()}
+            ctx.candidates = {k: self.rows(v, i) for k, v in self.candidates.items()}
+            return ctx
         b, d = self.batch, self.batch.decoder
         i = d.token_index
         sub = dataclasses.replace(
@@ -91,6 +99,11 @@ class StepContext:
     def fresh(self, x_TX: jax.Array) -> jax.Array:
         """This step's rows of every token in flat order (this context's own rows without CP)."""
         return x_TX if self.home_T is None else context_parallel.fresh(x_TX, self.home_T)
+
+    def rows(self, x_TX: jax.Array, flat_K: jax.Array) -> jax.Array:
+        """Rows of flat tokens ``flat_K`` of this step (``x_TX[flat_K]`` of the whole step; CP:
+        from their owners)."""
+        return x_TX[flat_K] if self.home_T is None else context_parallel.rows(x_TX, self.home_T, flat_K)
 
     def scatter(self, array, index, value):
         """``array.at[index].set(value, mode="drop")`` with every cp device's writes (CP)."""
