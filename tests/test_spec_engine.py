@@ -174,8 +174,12 @@ def test_stops_inside_a_verified_block(prompts, plain, spec_fixed):
     ref = tokens(fresh(plain).generate(prompts[:4], GREEDY, use_tqdm=False))
     short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     assert tokens(fresh(spec_fixed).generate(prompts[:4], short, use_tqdm=False)) == [r[:7] for r in ref]
-    stop_id = ref[0][12]
-    first = next(i for i, t in enumerate(ref[0]) if t == stop_id and i >= 3)
+    # the stop id: a token whose first occurrence in the greedy output is at position 6 or later,
+    # so min_tokens=3 bans it nowhere the greedy path would have emitted it
+    r = ref[0]
+    first = next((i for i in range(6, len(r)) if r[i] not in r[:i]), None)
+    assert first is not None, f"no new token after position 6 in {r}"
+    stop_id = r[first]
     stop = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], min_tokens=3, ignore_eos=True)
     for llm in (plain, spec_fixed):
         out = fresh(llm).generate(prompts[:1], stop, use_tqdm=False)[0].outputs[0]
