@@ -61,6 +61,18 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [rng.integers(4, vocab, size=length).tolist() for _ in range(n)]
 
 
+def hottest(prof, n: int, steps: int) -> list[dict]:
+    """The ``n`` functions of most own time: where, calls and own / cumulative ms per step."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append(dict(function=f"{os.path.basename(file)}:{line}:{fn}", calls_per_step=nc / max(steps, 1),
+                         own_ms_per_step=1e3 * tt / max(steps, 1), cum_ms_per_step=1e3 * ct / max(steps, 1)))
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:n]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir or name (default: the shipped model)")
@@ -76,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="{}", help="JSON of further EngineConfig fields")
     ap.add_argument("--bucket-multiples", type=int, nargs="+", default=None,
                     help="token buckets as multiples of C (default 1 .. K+1; fewer = fewer compiles)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="run each timed generate under cProfile and keep its N hottest functions "
+                         "(own time per step) in the JSON row (host time is inflated by the profiler)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -172,10 +187,20 @@ def main(argv=None) -> int:
             init_s = time.perf_counter() - t0
             llm.generate(warm, sp, use_tqdm=False)
             llm.stats.reset()
+            prof = None
+            if args.cprofile:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             outs = llm.generate(timed, sp, use_tqdm=False)
+            if prof is not None:
+                prof.disable()
             s = llm.stats.summary()
             rows.append(dict(concurrency=C, mode=mode, init_and_compile_s=init_s,
                              output_tokens=sum(len(o.outputs[0].token_ids) for o in outs), **s))
+            if prof is not None:
+                rows[-1]["cprofile_hottest"] = hottest(prof, args.cprofile, s["steps"])
             print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s, {s['steps']} steps, "
                   f"tau {s['mean_accepted_length'] or 1.0:.2f}", flush=True)
             report(final=False)  # the JSON so far, in case a time limit stops the run

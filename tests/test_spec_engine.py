@@ -144,6 +144,8 @@ def test_varlen_plans_shorter_rows_when_steps_cost_more(prompts, plain, spec_fix
     cal.refit_every = 16
     assert llm.engine.scheduler.spec_confidence == cal.probabilities
     llm.engine.scheduler.spec_sps = lambda B: 1.0 / (1.0 + 0.2 * B)
+    assert llm.engine.scheduler.spec_buckets == BASE["token_buckets"]  # the plan's stopping points
+    llm.engine.scheduler.spec_buckets = None  # that cost rises with every token, not per bucket
     ref = tokens(fresh(plain).generate(prompts[:6], GREEDY, use_tqdm=False))
     assert tokens(llm.generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
     assert tokens(fresh(spec_fixed).generate(prompts[:6], GREEDY, use_tqdm=False)) == ref

@@ -218,6 +218,78 @@ def test_never_reads_past_the_stop():
             assert i <= got[r]  # 0-based index i is c_{r, i+1}
 
 
+# ----------------------------------------------------------------------------- bucketed steps
+
+
+def brute_plan_bucketed(conf_RK, sps, buckets, max_tokens=None):
+    """The bucket rule written out: walk the whole order (up to the cap), then test the
+    stopping rule at the prefixes whose token count is a bucket, and at the last prefix."""
+    a = np.cumprod(np.asarray(conf_RK, dtype=np.float64), axis=1)
+    R = a.shape[0]
+    order = walk_order(a)
+    if max_tokens is not None:
+        order = order[:max(0, max_tokens - R)]
+    taus = np.cumsum([float(R)] + [a[r, j - 1] for r, j in order])
+    best, n = taus[0] * sps(R), 0
+    for c in sorted({b - R for b in buckets if 0 < b - R < len(order)} | ({len(order)} if order else set())):
+        theta = taus[c] * sps(R + c)
+        if not theta > best:
+            break
+        best, n = theta, c
+    lengths = np.zeros(R, dtype=np.int64)
+    for r, j in order[:n]:
+        lengths[r] = j
+    return lengths
+
+
+def bucketed_sps(rng, n):
+    """Steps per second of a bucketed step: a random increasing bucket list; B runs at the
+    smallest bucket holding it (the largest beyond), each bucket's time a random rise."""
+    buckets = sorted(set(rng.integers(1, n + 2, size=int(rng.integers(1, 5))).tolist()))
+    secs = np.cumsum(rng.uniform(0.5, 2.0) + rng.exponential(0.3, len(buckets)))
+    return buckets, lambda B: 1.0 / secs[min(np.searchsorted(buckets, B), len(buckets) - 1)]
+
+
+def test_bucketed_plan_fills_the_next_bucket_when_it_pays():
+    """Four rows at bucket 4, the next bucket 24 costs 1.3x: the per-token rule stops at the first
+    draft (4.9 / 1.3 < 4 tokens per unit time) and plans nothing, the bucket rule fills bucket 24
+    (18.7 expected tokens / 1.3). When the drafts are poor, filling does not pay either."""
+    sps = lambda B: 1.0 if B <= 4 else 1 / 1.3
+    good = np.full((4, 5), 0.9)
+    assert plan_varlen(good, sps).tolist() == [0, 0, 0, 0]
+    assert plan_varlen(good, sps, buckets=(4, 24)).tolist() == [5, 5, 5, 5]
+    assert plan_varlen(Spy(good), sps, buckets=(4, 24)).tolist() == [5, 5, 5, 5]
+    poor = np.full((4, 5), 0.1)
+    assert plan_varlen(poor, sps, buckets=(4, 24)).tolist() == [0, 0, 0, 0]
+    # a cap inside the bucket: the walk's end (12 tokens) is the candidate
+    assert plan_varlen(good, sps, max_tokens=12, buckets=(4, 24)).tolist() == [2, 2, 2, 2]
+    # one bucket per token count is the per-token rule
+    assert plan_varlen(good, sps, buckets=range(1, 25)).tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="buckets must be positive"):
+        plan_varlen(good, sps, buckets=(0, 24))
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_bucketed_plan_matches_brute_force(discrete):
+    """Sorted and frontier-walk plans equal the written-out bucket rule on random instances,
+    bucket lists and token caps; with every token count a bucket they equal the plain rule."""
+    rng = np.random.default_rng(21 + discrete)
+    filled = 0
+    for _ in range(400):
+        conf, table = random_instance(rng, discrete)
+        R, K = conf.shape
+        buckets, sps = bucketed_sps(rng, R * (K + 1))
+        max_tokens = None if rng.uniform() < 0.5 else int(rng.integers(0, conf.size + R + 2))
+        want = brute_plan_bucketed(conf, sps, buckets, max_tokens)
+        assert plan_varlen(conf, sps, max_tokens, buckets=buckets).tolist() == want.tolist()
+        assert plan_varlen(Spy(conf), sps, max_tokens, buckets=buckets).tolist() == want.tolist()
+        filled += int(want.sum() > plan_varlen(conf, sps, max_tokens).sum())
+        every = range(1, R * (K + 1) + 1)
+        assert (plan_varlen(conf, table, max_tokens, buckets=every).tolist()
+                == plan_varlen(conf, table, max_tokens).tolist())
+    assert filled >= 10  # instances where the bucket rule plans more than the per-token rule
+
+
 # ----------------------------------------------------------------------------- the async variant
 
 

@@ -83,6 +83,15 @@ class DPScheduler:
             s.spec_sps = fn
 
     @property
+    def spec_buckets(self):
+        return self.ranks[0].spec_buckets
+
+    @spec_buckets.setter
+    def spec_buckets(self, buckets) -> None:
+        for s in self.ranks:
+            s.spec_buckets = buckets
+
+    @property
     def spec_confidence(self):
         return self.ranks[0].spec_confidence
 

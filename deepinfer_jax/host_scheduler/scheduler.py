@@ -82,6 +82,9 @@ class Scheduler:
         self.num_draft_tokens = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
         self.spec_varlen = bool(getattr(ec, "spec_varlen", False))
         self.spec_sps = None
+        # the token counts a step is padded to: Algorithm 1's stopping rule is tested at these
+        # (plan_varlen's ``buckets``); None tests it at every count (a cost that rises per token)
+        self.spec_buckets = tuple(getattr(ec, "token_buckets", None) or ()) or None
         # confidence logits [R, K] -> conditional acceptance probabilities (default the sigmoid;
         # the engine sets a calibrated map with EngineConfig.spec_calibration)
         self.spec_confidence = None
@@ -231,7 +234,9 @@ class Scheduler:
             z_RK[i, :len(known)] = known
         p_RK = 1.0 / (1.0 + np.exp(-z_RK)) if self.spec_confidence is None else self.spec_confidence(z_RK)
         conf = np.where(np.arange(K)[None, :] < cap_R[:, None], p_RK, 0.0)
-        lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget)
+        # the step runs at its padded token bucket: the stopping rule looks at bucket ends
+        # (the decode rows' tokens are taken as the step's; prefill chunks fill the rest)
+        lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget, buckets=self.spec_buckets)
         return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
 
     def commit_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:

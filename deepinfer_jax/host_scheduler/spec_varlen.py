@@ -16,6 +16,12 @@ How many drafted tokens of each request one verification step checks
   step).  On a lazy array-like the walk is a heap over one frontier position per row, and
   the frontier of a row advances (reading its next confidence) only after its current
   position was taken: confidences past the stopping point are never read.
+  With ``buckets`` (the engine's token buckets), a step of B tokens runs at its padded bucket,
+  so within a bucket every further position is free and improves theta; the stopping rule is
+  then applied only where the cost can change: at bucket ends and at the walk's end (all
+  positive positions taken, or the token cap reached).  Without it, a step-shaped SPS stops
+  the walk at the first position past a bucket boundary even when filling the next bucket
+  wins (the plain rule compares one extra token against the whole jump in step time).
 * :func:`plan_varlen_async` -- the production variant for async scheduling, where the step's
   token count must be fixed before this step's confidences leave the device: the total
   budget K_total (extra draft tokens) is Algorithm 1 run on the confidences of two steps
@@ -116,37 +122,62 @@ def _walk(surv: _Survival, on_take: Callable[[int, int, float], bool]) -> np.nda
     return lengths
 
 
-def plan_varlen(conf_RK, sps, max_tokens: int | None = None, *, cumulative: bool = False) -> np.ndarray:
+def plan_varlen(conf_RK, sps, max_tokens: int | None = None, *, cumulative: bool = False,
+                buckets: Sequence[int] | None = None) -> np.ndarray:
     """Algorithm 1: the number of drafts l_r in 0..K each request verifies this step.
 
     ``conf_RK``: [R, K] conditional confidences c_{r,i} (probabilities), or, with
     ``cumulative=True``, the prefix survivals a_{r,j} themselves.  ``sps``: steps per second at
     B step tokens.  ``max_tokens``: optional cap on the step tokens B = R + sum(l_r) (the walk
-    stops when the next position would exceed it; below R it plans no drafts).
-    Returns int64 [R].  The step verifies R + sum(l_r) tokens.
+    stops when the next position would exceed it; below R it plans no drafts).  ``buckets``:
+    the step token counts the step is padded to; the stopping rule is tested only at these
+    token counts and at the walk's end (module docstring), so positions between two of them
+    are taken or dropped together.  The walk then reads up to one bucket of confidences past
+    its stop.  Returns int64 [R].  The step verifies R + sum(l_r) tokens.
     """
     conf = _as_RK(conf_RK)
     sps = _sps_fn(sps)
     R = conf.shape[0]
     if R == 0:
         return np.zeros(0, dtype=np.int64)
+    ends = _bucket_ends(buckets)
     if _sortable(conf, cumulative):
-        return _plan_sorted(conf, sps, max_tokens, cumulative)
-    state = {"B": R, "tau": float(R)}
-    state["best"] = state["tau"] * sps(R)
+        return _plan_sorted(conf, sps, max_tokens, cumulative, ends)
+    taken: list[tuple[int, int]] = []
+    state = {"tau": float(R), "best": R * sps(R), "n_best": 0, "stopped": False}
 
     def take(r, j, a):
-        B = state["B"] + 1
+        B = R + len(taken) + 1
         if max_tokens is not None and B > max_tokens:
-            return False
+            return False  # the cap: the walk's end
         tau = state["tau"] + a
-        theta = tau * sps(B)
-        if not theta > state["best"]:
-            return False
-        state.update(B=B, tau=tau, best=theta)
+        if ends is None or B in ends:
+            theta = tau * sps(B)
+            if not theta > state["best"]:
+                state["stopped"] = True
+                return False
+            state.update(best=theta, n_best=len(taken) + 1)
+        taken.append((r, j))
+        state["tau"] = tau
         return True
 
-    return _walk(_Survival(conf, cumulative), take)
+    _walk(_Survival(conf, cumulative), take)
+    n = len(taken)
+    if n > state["n_best"] and not state["stopped"] and state["tau"] * sps(R + n) > state["best"]:
+        state["n_best"] = n  # the walk's end (between two bucket ends) improves: keep the tail
+    lengths = np.zeros(R, dtype=np.int64)
+    for r, j in taken[:state["n_best"]]:
+        lengths[r] = j
+    return lengths
+
+
+def _bucket_ends(buckets) -> frozenset[int] | None:
+    if buckets is None:
+        return None
+    ends = frozenset(int(b) for b in buckets)
+    if not ends or min(ends) < 1:
+        raise ValueError(f"buckets must be positive token counts, got {list(buckets)}")
+    return ends
 
 
 def _sortable(conf, cumulative: bool) -> bool:
@@ -160,11 +191,12 @@ def _sortable(conf, cumulative: bool) -> bool:
 
 
 def _plan_sorted(conf: np.ndarray, sps: Callable[[int], float], max_tokens: int | None,
-                 cumulative: bool) -> np.ndarray:
+                 cumulative: bool, ends: frozenset[int] | None = None) -> np.ndarray:
     """:func:`plan_varlen` on a sortable array, vectorised: the positions sorted once in the
     walk's order (the frontier walk pops exactly this order when survivals never rise along a
     row), the running tau as one sequential cumulative sum (the walk's own additions, so the
-    same floats), then the stopping rule over the prefixes, asking ``sps`` only up to the stop."""
+    same floats), then the stopping rule over the prefixes (or, with bucket ends, over the
+    prefixes ending at one and the last), asking ``sps`` only up to the stop."""
     R, K = conf.shape
     lengths = np.zeros(R, dtype=np.int64)
     if K == 0:
@@ -176,14 +208,17 @@ def _plan_sorted(conf: np.ndarray, sps: Callable[[int], float], max_tokens: int 
     order = np.lexsort((r_P, j_P, -a_P))  # descending a, then lower j, then lower r
     n_max = len(order) if max_tokens is None else max(0, min(len(order), int(max_tokens) - R))
     tau_N = np.cumsum(np.concatenate([[float(R)], a_P[order[:n_max]]]))
+    if ends is None:
+        candidates = range(1, n_max + 1)
+    else:
+        candidates = sorted({b - R for b in ends if 0 < b - R < n_max} | ({n_max} if n_max else set()))
     best = tau_N[0] * sps(R)
     n = 0
-    while n < n_max:
-        theta = tau_N[n + 1] * sps(R + n + 1)
+    for c in candidates:
+        theta = tau_N[c] * sps(R + c)
         if not theta > best:
             break
-        best = theta
-        n += 1
+        best, n = theta, c
     taken = order[:n]
     np.maximum.at(lengths, r_P[taken], j_P[taken] + 1)
     return lengths
