@@ -456,3 +456,41 @@ def test_online_calibration_from_verified_rows():
         cal.observe([0, 0], 2, 3)
     with pytest.raises(ValueError, match="window=0"):
         OnlineTemperatureCalibrator(K, window=0)
+
+
+# ----------------------------------------------------------------------------- in the scheduler
+
+
+def _decoding_scheduler(waiting_prompt: int):
+    """A varlen scheduler (3 drafts, 64-token budget) with 4 decoding requests whose drafts are
+    all confident, and a waiting prompt of ``waiting_prompt`` tokens (0: none)."""
+    from deepinfer_jax.config import preset
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.host_scheduler.request import Request
+    from deepinfer_jax.host_scheduler.scheduler import Scheduler
+    from deepinfer_jax.sampling.params import SamplingParams
+
+    cfg = preset("v41-tiny")
+    ec = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64,), precompile=False,
+                      spec_decode="dspark", num_draft_tokens=3, spec_varlen=True).resolve(cfg)
+    sch = Scheduler(ec)
+    sch.spec_sps = lambda B: 1.0  # a flat step cost: every confident draft pays
+    p = SamplingParams(max_tokens=32, ignore_eos=True).validate()
+    for i in range(4):
+        r = Request(f"d{i}", list(range(1, 11)), p, seed=i, output_token_ids=[7])
+        r.num_computed = r.num_tokens - 1  # decoding: the newest token is the row's input
+        r.draft_token_ids, r.draft_confidence = [3, 3, 3], [4.0, 4.0, 4.0]  # sigmoid 0.98
+        sch.running.append(r)
+    if waiting_prompt:
+        sch.waiting.append(Request("w", list(range(1, waiting_prompt + 1)), p, seed=9))
+    return sch
+
+
+def test_scheduler_varlen_leaves_the_budget_to_prompts():
+    """Decode rows get their drafts from the budget prompt tokens leave: with nothing waiting all
+    four rows verify 3 drafts; with a 58-token prompt waiting (64 - 4 rows = 60 free) only 2
+    drafts fit; with a prompt of the whole budget, none."""
+    assert sorted(_decoding_scheduler(0)._plan_drafts(64).values()) == [3, 3, 3, 3]
+    assert sum(_decoding_scheduler(58)._plan_drafts(64).values()) == 2
+    assert _decoding_scheduler(64)._plan_drafts(64) == {}
+    assert _decoding_scheduler(64)._prefill_demand(64) == 64

@@ -236,8 +236,25 @@ class Scheduler:
         conf = np.where(np.arange(K)[None, :] < cap_R[:, None], p_RK, 0.0)
         # the step runs at its padded token bucket: the stopping rule looks at bucket ends
         # (the decode rows' tokens are taken as the step's; prefill chunks fill the rest)
-        lengths = plan_varlen(conf, self.spec_sps, max_tokens=budget, buckets=self.spec_buckets)
+        # prompt tokens go first: a draft is worth its acceptance probability (< 1), a prompt
+        # token is work the request needs anyway, and a starved prefill keeps the batch small
+        cap = max(len(decoding), budget - self._prefill_demand(budget))
+        lengths = plan_varlen(conf, self.spec_sps, max_tokens=cap, buckets=self.spec_buckets)
         return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
+
+    def _prefill_demand(self, budget: int) -> int:
+        """Prompt tokens this step could schedule (running prefills, then waiting requests while
+        rows are free), at most ``budget``: varlen plans drafts only into the budget they leave."""
+        need = 0
+        for r in self.running:
+            if r.num_computed < r.num_tokens_planned - 1:
+                need += r.num_tokens_planned - r.num_computed
+        free_rows = self.ec.max_num_seqs - len(self.running)
+        for r in itertools.islice(self.waiting, max(0, free_rows)):
+            if need >= budget:
+                break
+            need += r.num_tokens
+        return min(need, budget)
 
     def commit_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """After a verification row's results: its 1 + num_drafts optimistic tokens leave
