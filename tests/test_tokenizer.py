@@ -7,10 +7,12 @@ on the fly on a tiny corpus with multi-byte characters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -18,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from deepinfer_jax.config import preset
 from deepinfer_jax.checkpoint.random_checkpoint import write_random_tokenizer
 from deepinfer_jax.tokenizer import IncrementalDetokenizer, StopChecker, TokenizerInfo, load_tokenizer
+from deepinfer_jax.tokenizer.byte_level import bytes_to_unicode
 
 CORPUS = [
     "héllo 世界 🙂 hello world",
@@ -204,7 +207,7 @@ def test_detok_random_matches_full_decode(which, wordlevel_dir, bpe_dir, meta_di
 def test_detok_multibyte_split_held_back(bpe_dir):
     info = load_tokenizer(bpe_dir)
     # one token per byte of "🙂" (4 bytes): nothing comes out until the character is complete
-    byte_tok = {b: info.tokenizer.token_to_id(c) for b, c in _bytes_to_unicode().items()}
+    byte_tok = {b: info.tokenizer.token_to_id(c) for b, c in bytes_to_unicode().items()}
     emoji = [byte_tok[b] for b in "🙂".encode()]
     assert None not in emoji
     prompt = info.encode("hello")
@@ -243,17 +246,47 @@ def test_detok_prompt_tail_of_specials(wordlevel_dir):
     assert detok.push(out[:1]) == " c" and detok.push([eos]) == "" and detok.push(out[1:]) == " d"
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+def test_byte_level_tables_used_and_equal_to_the_general_path(bpe_dir, meta_dir, wordlevel_dir):
+    """Byte-level tokenizers stream through their byte tables (no tokenizer call per token) and
+    emit exactly what the general window algorithm emits: random prompts (some ending inside a
+    multi-byte character, where the general path is kept), outputs with split characters,
+    specials and ids past the vocabulary, both skip settings, pushed one by one and in chunks."""
+    info = load_tokenizer(bpe_dir)
+    assert info.byte_table(True) is not None and info.byte_table(False) is not None
+    general = dataclasses.replace(info, _byte_tables=())
+    assert general.byte_table(True) is None
+    for d in (meta_dir, wordlevel_dir):  # not byte-level: the general path
+        assert load_tokenizer(d).byte_table(True) is None
+    byte_tok = [info.tokenizer.token_to_id(c) for c in bytes_to_unicode().values()]
+    specials = sorted(info.all_special_ids)
+    rng = random.Random(7)
+    fast_cases = 0
+    for case in range(400):
+        skip = case % 3 != 2
+        pool = [lambda: rng.randrange(info.vocab_size + 3), lambda: rng.choice(byte_tok),
+                lambda: rng.choice(specials)]
+        weights = (6, 3, 1)
+        prompt = [rng.choices(pool, weights)[0]() for _ in range(rng.choice([0, 1, 3, 8]))]
+        output = [rng.choices(pool, weights)[0]() for _ in range(rng.choice([1, 2, 5, 17, 40]))]
+        fast = IncrementalDetokenizer(info, prompt, skip_special_tokens=skip)
+        fast_cases += fast._table is not None
+        slow = IncrementalDetokenizer(general, prompt, skip_special_tokens=skip)
+        chunks, i = [], 0
+        while i < len(output):
+            n = 1 if case % 2 else rng.randint(1, 6)
+            chunks.append(output[i:i + n])
+            i += n
+        for c in chunks:
+            assert fast.push(c) == slow.push(c), (prompt, output, skip)
+            assert fast.num_held_tokens == slow.num_held_tokens
+        assert fast.finish() == slow.finish()
+        assert fast.text == slow.text and fast.token_ids == slow.token_ids == output
+    assert fast_cases > 200  # the others: prompts whose tail text ends with U+FFFD
+
+
+def test_shipped_tokenizer_is_byte_level():
+    info = load_tokenizer(Path(__file__).resolve().parents[1] / "deepinfer_jax" / "assets" / "v41-small-code")
+    assert info.byte_table(True) is not None
 
 
 # --------------------------------------------------------------------------- stop strings

@@ -23,6 +23,12 @@ Caveat: when ``decode(prompt)`` itself ends with an incomplete UTF-8 sequence th
 completes, ``decode(prompt + output)`` does not extend ``decode(prompt)``; the detokenizer then
 emits only the text after that character (as vLLM does).
 
+Byte-level tokenizers (``byte_level.py``) take a shortcut with the same output: the emitted
+window's text ends with a whole character, so the text of ``window + new`` is the window's text
+followed by the UTF-8 decode of the new tokens' bytes alone. The detokenizer then keeps only the
+new tokens' bytes and decodes those (no tokenizer call per token). It takes the general path
+when the prompt's tail text ends with U+FFFD, where that split does not hold.
+
 This module must not import JAX.
 """
 
@@ -64,6 +70,10 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
         self.text = ""
         self.token_ids: list[int] = []
+        # byte-level shortcut: the bytes of the tokens not emitted yet, and their count
+        self._table = tok.byte_table(self._skip) if not self._prefix_text.endswith(_REPLACEMENT) else None
+        self._held = b""
+        self._num_held = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -110,6 +120,8 @@ class IncrementalDetokenizer:
         Tokens are processed one at a time, so the result does not depend on how the ids are
         chunked across calls.
         """
+        if self._table is not None:
+            return self._push_bytes(new_ids)
         out: list[str] = []
         for token_id in new_ids:
             token_id = int(token_id)
@@ -120,11 +132,37 @@ class IncrementalDetokenizer:
                 out.append(delta)
         return "".join(out)
 
+    def _push_bytes(self, new_ids: Iterable[int]) -> str:
+        """``push`` for byte-level tokenizers: the held tokens' bytes, decoded alone."""
+        table, n = self._table, len(self._table)
+        out: list[str] = []
+        for token_id in new_ids:
+            token_id = int(token_id)
+            self.token_ids.append(token_id)
+            self._held += table[token_id] if 0 <= token_id < n else b""
+            self._num_held += 1
+            if not self._held:
+                continue
+            delta = self._held.decode("utf-8", "replace")
+            if delta.endswith(_REPLACEMENT):
+                continue  # incomplete UTF-8 sequence: wait for the next token
+            self._held, self._num_held = b"", 0
+            self.text += delta
+            out.append(delta)
+        return "".join(out)
+
     def finish(self) -> str:
         """Flush text held back for an incomplete UTF-8 sequence; return it (``""`` if none)."""
+        if self._table is not None:
+            delta = self._held.decode("utf-8", "replace")
+            self._held, self._num_held = b"", 0
+            self.text += delta
+            return delta
         return self._advance(final=True)
 
     @property
     def num_held_tokens(self) -> int:
         """Output tokens pushed whose text has not been emitted yet."""
+        if self._table is not None:
+            return self._num_held
         return len(self._ids) - self.read_offset

@@ -62,6 +62,18 @@ class TokenizerInfo:
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
+    _byte_tables: Any = dataclasses.field(default=None, repr=False)
+
+    def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """Each id's bytes when the tokenizer is byte-level (``byte_level.py``; built and checked
+        on first use), with special ids empty under ``skip_special_tokens``; else ``None``."""
+        if self._byte_tables is None:
+            from .byte_level import token_byte_tables
+
+            self._byte_tables = token_byte_tables(self) or ()
+        if not self._byte_tables:
+            return None
+        return self._byte_tables[1 if skip_special_tokens else 0]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; BOS prepended when ``add_bos`` and not already first.
