@@ -47,6 +47,7 @@ _FIELD_TYPES = {
     "prefix_replay_tokens": ("int", None, True),
     "yoco_truncation": ("str", None, False), "yoco_keep_tokens": ("int", 0, False),
     "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
+    "dispatch_thread": ("bool", None, False),
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
     "dp": ("int", 1, False), "cp": ("int", 1, False), "cp_min_tokens": ("int", 1, True),
@@ -89,6 +90,10 @@ class EngineConfig:
     max_backtracking_tokens: int = 12      # positions the window state may be rolled back by
     # --- runner ---
     async_scheduling: bool = True
+    # the jitted call of each step runs on a runner thread (runner/step_launcher.py): the call's
+    # own host time (argument handling, the launch of the step's kernels) overlaps the engine's
+    # planning and result processing instead of adding to them. Tokens are the same either way
+    dispatch_thread: bool = False
     # padded step sizes; default: powers of 2 from 16 up to max_num_batched_tokens, or on CPU
     # (where compiling dominates) the single size max_num_batched_tokens
     token_buckets: tuple[int, ...] | None = None

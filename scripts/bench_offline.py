@@ -10,6 +10,11 @@ Writes the table, the engine config, the device and per-step stats to JSON.
     python scripts/bench_offline.py --num-prompts 128 --input-len 256 --output-len 64 \\
         --engine '{"max_num_batched_tokens": 512}' --out benchmarks/results/offline_gpu.json
 
+Modes (``--modes``, comma-separated): ``async`` and ``sync`` scheduling, each optionally with
+``+thread`` (``EngineConfig.dispatch_thread``: the jitted calls on the runner's launcher thread;
+the "call" column is then the hand-over, and the launcher's own call time is in parentheses).
+The table's last line says whether every mode produced the same tokens.
+
 Random weights: the tokens are meaningless, the work per token is the real model's.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -67,30 +73,43 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed)
     llm.generate(prompts[: min(4, len(prompts))], sp, use_tqdm=False)  # warm-up (untimed)
 
+    from deepinfer_jax.runner.step_launcher import StepLauncher
+
     rows, per_mode = [], {}
     for mode in args.modes.split(","):
-        llm.engine = LLMEngine(llm.runner, dataclasses.replace(ec, async_scheduling=(mode == "async")),
+        sched_mode, _, thread = mode.partition("+")
+        if sched_mode not in ("async", "sync") or thread not in ("", "thread"):
+            raise SystemExit(f"--modes: {mode!r}: expected async or sync, optionally +thread")
+        # +thread: the jitted calls on the runner's launcher thread (EngineConfig.dispatch_thread)
+        llm.runner.launcher = StepLauncher() if thread else None
+        llm.engine = LLMEngine(llm.runner, dataclasses.replace(ec, async_scheduling=(sched_mode == "async"),
+                                                               dispatch_thread=bool(thread)),
                                llm.tokenizer, llm.model_config.eos_token_id)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         s = llm.stats.summary()
         s["mode"] = mode
         s["output_tokens_check"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        s["output_tokens_sha256"] = hashlib.sha256(repr([o.outputs[0].token_ids for o in outs]).encode()).hexdigest()
         rows.append(s)
         per_mode[mode] = {"summary": s, "steps": [dataclasses.asdict(x) for x in llm.stats.steps]}
     base = next((r for r in rows if r["mode"] == "sync"), rows[0])
-    hdr = f"{'mode':6} {'gen tok/s':>10} {'tok/s':>9} {'vs sync':>8} {'steps':>6} {'step p50 ms':>12} " \
-          f"{'step p90 ms':>12} {'host ms/step':>13} {'wall s':>7} {'pad %':>6}   host ms: plan / inputs / call / results"
+    same = all(r["output_tokens_sha256"] == rows[0]["output_tokens_sha256"] for r in rows)
+    hdr = f"{'mode':12} {'gen tok/s':>10} {'tok/s':>9} {'vs sync':>8} {'steps':>6} {'step p50 ms':>12} " \
+          f"{'step p90 ms':>12} {'host ms/step':>13} {'wall s':>7} {'pad %':>6}   " \
+          "host ms: plan / inputs / call / results (launch thread)"
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), model {llm.model_dir}")
     print(f"workload: {args.num_prompts} prompts x ~{args.input_len} tokens (+{args.shared_prefix} shared), "
           f"{args.output_len} output tokens; buckets {ec.token_buckets}, max_num_seqs {ec.max_num_seqs}; "
           f"init+compile {init_s:.1f}s")
     print(hdr)
     for r in rows:
-        print(f"{r['mode']:6} {r['generated_tokens_per_s']:10.1f} {r['total_tokens_per_s']:9.1f} "
+        print(f"{r['mode']:12} {r['generated_tokens_per_s']:10.1f} {r['total_tokens_per_s']:9.1f} "
               f"{r['generated_tokens_per_s'] / base['generated_tokens_per_s']:8.2f} {r['steps']:6d} "
               f"{1e3 * r['step_time_p50_s']:12.2f} {1e3 * r['step_time_p90_s']:12.2f} "
               f"{1e3 * r['host_time_mean_s']:13.2f} {r['wall_time_s']:7.2f} {100 * r['padding_fraction']:6.1f}   "
-              + " / ".join(f"{1e3 * v:.2f}" for v in r["host_breakdown_mean_s"].values()))
+              + " / ".join(f"{1e3 * v:.2f}" for v in r["host_breakdown_mean_s"].values())
+              + (f" ({1e3 * r['launch_mean_s']:.2f})" if r["launch_mean_s"] else ""))
+    print(f"same output tokens in every mode: {same}")
     out = args.out or os.path.join("benchmarks", "results", f"offline_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:

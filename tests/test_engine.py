@@ -74,6 +74,29 @@ def test_sync_equals_async(model_dir, prompts16, batched16):
     assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
 
 
+def test_dispatch_thread_equals_engine_thread(model_dir, prompts16, batched16):
+    """EngineConfig.dispatch_thread: the jitted calls run on the launcher thread; same tokens,
+    async and sync, through preemptions (whose recomputed steps queue behind in-flight calls)
+    and with seeded sampling; the launcher's call time is recorded per step."""
+    import threading
+
+    threaded = LLM(model_dir, dispatch_thread=True, num_blocks=8, **BASE)
+    callers = set()
+    launch = threaded.runner._launch
+    threaded.runner._launch = lambda *a: (callers.add(threading.current_thread().name), launch(*a))[1]
+    outs = threaded.generate(prompts16, GREEDY, use_tqdm=False)
+    assert tokens(outs) == tokens(batched16)
+    s = threaded.stats.summary()
+    assert s["preemptions"] > 0 and s["launch_mean_s"] > 0
+    assert callers and all(n.startswith("deepinfer-step") for n in callers)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=5, ignore_eos=True)
+    plain = LLM(model_dir, num_blocks=8, async_scheduling=False, **BASE)
+    want = tokens(plain.generate(prompts16[:6], sampled, use_tqdm=False))
+    assert tokens(threaded.generate(prompts16[:6], sampled, use_tqdm=False)) == want
+    sync = LLM(model_dir, dispatch_thread=True, async_scheduling=False, **BASE)
+    assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
+
+
 def test_row_buckets(model_dir, prompts16, batched16):
     """Steps padded to 4 rows (few requests) or 16: same tokens; placeholders cross sizes."""
     llm4 = LLM(model_dir, row_buckets=(4, 16), **BASE)

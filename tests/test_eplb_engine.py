@@ -5,7 +5,8 @@ On 4 CPU devices (a subprocess) the v41-tiny model's routers are skewed towards 
 (their gate biases raised, in the plain engine and the EPLB engine alike), so that the devices
 holding those experts carry most of the load. The EPLB engine (8 experts + 4 redundant slots,
 ``dp=4``) must give the plain one-device engine's tokens before a rebalance, after it, and with
-rebalances every few steps during generation; the busiest device's load must fall.
+rebalances every few steps during generation (those with the step calls on the launcher
+thread, ``EngineConfig.dispatch_thread``); the busiest device's load must fall.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ _SCRIPT = textwrap.dedent("""
     r.rebalance()
     after = tok(llm.generate(prompts, sp, use_tqdm=False))
     load_after = r.rank_load().tolist()
-    auto = LLM({ckpt!r}, dp=4, eplb_redundant_experts=4, eplb_interval=3, eplb_window=4, **kw)
+    # the automatic rebalances with the step calls on the launcher thread (dispatch_thread): a
+    # rebalance waits for the queued calls before it moves weights they read
+    auto = LLM({ckpt!r}, dp=4, eplb_redundant_experts=4, eplb_interval=3, eplb_window=4, dispatch_thread=True, **kw)
     skew(auto)
     during = tok(auto.generate(prompts, sp, use_tqdm=False))
     print(json.dumps(dict(ref=ref, before=before, after=after, during=during, load_before=load_before,

@@ -256,6 +256,9 @@ class LLMEngine:
         reached the device, the prefix cache is reset (its newest blocks were never written)."""
         with deferred_interrupts():
             self._inflight = None
+            drain = getattr(self.runner, "drain", None)
+            if drain is not None:  # dispatch_thread: let a queued step call finish
+                drain()
             for g in list(self._groups):
                 self.abort_request(g)
             for req in list(self.scheduler.requests.values()):  # not registered with the engine
@@ -334,11 +337,18 @@ class LLMEngine:
 
     def _process(self, handle) -> list[RequestOutput]:
         res = handle.fetch()  # the wait for the device: interruptible
+        t_apply = time.perf_counter()
         self._check_finite(handle.sched, res)
         with deferred_interrupts():  # the results are applied whole
-            return self._apply(handle, res)
+            return self._apply(handle, res, t_apply)
 
     def _check_finite(self, sched, res) -> None:
+        n = len(sched.rows)
+        lp = np.asarray(res.logprob[:n])
+        if lp.ndim == 2:  # verification rows: only the emitted slots count
+            lp = np.where(np.arange(lp.shape[1])[None, :] <= res.num_accepted[:n, None], lp, 0.0)
+        if np.isfinite(lp).all():
+            return  # the common case, one array check; the loop below names the request
         for i, row in enumerate(sched.rows):
             st = self._states.get(row.request_id)
             req = st.request if st is not None else None
@@ -353,8 +363,7 @@ class LLMEngine:
                                    f"{what}: the model's "
                                    "outputs are not finite (e.g. NaN weights)")
 
-    def _apply(self, handle, res) -> list[RequestOutput]:
-        t_apply = time.perf_counter()
+    def _apply(self, handle, res, t_apply: float) -> list[RequestOutput]:
         sched = handle.sched
         done_groups = []
         now = time.monotonic()
@@ -362,6 +371,8 @@ class LLMEngine:
         K = getattr(self.scheduler, "num_draft_tokens", 0)
         verified, accepted, proposed = 0, 0, 0
         spec_rows, acc_pos = 0, [0] * K
+        if not spec:  # Python scalars once, not a numpy index per row
+            tok_R, lp_R = res.token_ids.tolist(), res.logprob.tolist()
         for i, row in enumerate(sched.rows):
             st = self._states.get(row.request_id)
             req = st.request if st is not None else None
@@ -416,11 +427,11 @@ class LLMEngine:
                 g_status = self._advance_grammar(req, emitted) if status is None else None
                 status = status or g_status
             else:
-                status = self.outputs.add_token(st, int(res.token_ids[i]), float(res.logprob[i]),
-                                                res.top_ids[i], res.top_logprobs[i])
+                top = (res.top_ids[i], res.top_logprobs[i]) if st.logprobs is not None else (None, None)
+                status = self.outputs.add_token(st, tok_R[i], lp_R[i], *top)
                 self.stats.generated_tokens += 1
-                if status is None:
-                    status = self._advance_grammar(req, [int(res.token_ids[i])])
+                if status is None and self._grammars:
+                    status = self._advance_grammar(req, [tok_R[i]])
             if status is not None:
                 self.outputs.finish_text(st, status)
                 self.scheduler.finish(req, status)
@@ -435,7 +446,8 @@ class LLMEngine:
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait),
             spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,
             drafts_accepted_per_position=acc_pos, schedule_s=handle.schedule_time, inputs_s=handle.inputs_time,
-            call_s=handle.call_time, process_s=time.perf_counter() - t_apply))
+            call_s=handle.call_time, process_s=time.perf_counter() - t_apply,
+            launch_s=getattr(handle, "launch_time", 0.0) if getattr(handle, "future", None) is not None else 0.0))
         if self.forward_estimator is not None:
             self.forward_estimator.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
             self._sps_of_bucket.clear()

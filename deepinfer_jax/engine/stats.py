@@ -36,12 +36,14 @@ class StepStats:
     drafts_accepted: int = 0
     drafts_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     # where the host time goes: planning (scheduler + grammar masks), building the step's input
-    # arrays, the jitted call itself (argument handling and transfers, not device work), and
-    # applying the results (outputs, stop checks, detokenising; after the device step)
+    # arrays, the jitted call itself (argument handling and transfers, not device work; with
+    # EngineConfig.dispatch_thread only the hand-over to the launcher thread), and applying the
+    # results (outputs, stop checks, detokenising; after the device step)
     schedule_s: float = 0.0
     inputs_s: float = 0.0
     call_s: float = 0.0
     process_s: float = 0.0
+    launch_s: float = 0.0      # dispatch_thread: the jitted call on the launcher thread
 
 
 class StatsLogger:
@@ -93,6 +95,7 @@ class StatsLogger:
             "host_time_mean_s": statistics.fmean([s.host_time_s for s in st]) if st else 0.0,
             "host_breakdown_mean_s": {k: statistics.fmean([getattr(s, k + "_s") for s in st]) if st else 0.0
                                       for k in ("schedule", "inputs", "call", "process")},
+            "launch_mean_s": statistics.fmean([s.launch_s for s in st]) if st else 0.0,
             "queue_wait_mean_s": statistics.fmean(waits) if waits else 0.0,
             "kernel_fallbacks": dict(self.kernel_fallbacks),
             # speculative decoding: tokens per verification row (accepted drafts + the

@@ -186,6 +186,7 @@ class DPModelRunner(ModelRunner):
     def expert_load(self) -> np.ndarray:
         """int64 ``[L, R]``: entries per physical slot over the window (live tokens only)."""
         E, R = self.eplb_sizes
+        self.drain()  # the launcher thread appends each step's loads
         if not self._loads:
             return np.zeros((len(self._expert_leaves), R), np.int64)
         return sum(np.asarray(x, np.int64) for x in jax.device_get(self._loads))
@@ -199,7 +200,7 @@ class DPModelRunner(ModelRunner):
         """EPLB over the window's loads (``sharding/eplb.py``): new placement, expert weights moved
         to their new slots. Outputs are unchanged (every replica holds its expert's weights)."""
         E, R = self.eplb_sizes
-        load = self.expert_load()
+        load = self.expert_load()  # drains the launcher: no queued step reads the weights moved here
         old = jax.device_get(self.placement)
         logical = np.zeros((load.shape[0], E), np.int64)
         for l in range(load.shape[0]):

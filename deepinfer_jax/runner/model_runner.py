@@ -33,6 +33,7 @@ from deepinfer_jax.runner.engram_hash_device import DeviceEngramTables, device_h
 from deepinfer_jax.runner.packed_input import PackedLayout, pack, unpack
 from deepinfer_jax.runner.row_update import pad_rows
 from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
+from deepinfer_jax.runner.step_launcher import StepLauncher
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
 
@@ -119,8 +120,9 @@ class StepHandle:
     def __init__(self, sched, out, plp, offsets, t_dispatch: float, bucket_tokens: int, spec: bool = False,
                  row_index=None):
         """``row_index``: the output row of each of the plan's rows (attention DP: rank ``k``'s
-        ``j``-th row is row ``k*R + j``); ``None``: row ``i`` is row ``i``."""
-        self.sched, self._out, self._plp, self._offsets = sched, out, plp, offsets
+        ``j``-th row is row ``k*R + j``); ``None``: row ``i`` is row ``i``. ``out`` is None
+        while the call runs on the launcher thread (``launched`` then sets it)."""
+        self.sched, self._offsets = sched, offsets
         self._row_index = row_index
         self.spec = spec
         self.t_dispatch, self.bucket_tokens = t_dispatch, bucket_tokens
@@ -128,11 +130,22 @@ class StepHandle:
         self.host_time = 0.0  # the engine's planning + input building + dispatch time
         self.schedule_time = 0.0  # the engine's planning (set by the engine)
         self.inputs_time = 0.0    # build_step_input
-        self.call_time = 0.0      # the jitted call (it starts at t_dispatch)
+        self.call_time = 0.0      # the jitted call on the engine's thread (it starts at t_dispatch)
+        self.launch_time = 0.0    # the jitted call on the launcher thread (dispatch_thread)
+        self.future = None        # the launcher thread's call (dispatch_thread)
+        self._out = self._plp = None
+        if out is not None:
+            self.launched(out, plp)
+
+    def launched(self, out, plp) -> None:
+        """The step's device outputs, their copies to the host started."""
+        self._out, self._plp = out, plp
         for a in jax.tree.leaves((out, plp)):
             a.copy_to_host_async()
 
     def fetch(self) -> StepResult | SpecStepResult:
+        if self.future is not None:
+            self.future.result()  # the call itself (its error, if it failed, is raised here)
         o = jax.device_get(self._out)
         p = jax.device_get(self._plp) if self._plp is not None else (None, None, None)
         self.t_done = time.perf_counter()
@@ -193,6 +206,8 @@ class ModelRunner:
         self.prev_sampled = self._committed(jnp.zeros((self.num_rows,), jnp.int32))
         self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
+        # dispatch_thread: the jitted calls run on their own thread (runner/step_launcher.py)
+        self.launcher = StepLauncher() if getattr(ec, "dispatch_thread", False) else None
 
     def _allocate_cache(self):
         cache = allocate_cache(self.cfg, self.cache_config)
@@ -270,25 +285,37 @@ class ModelRunner:
         bufs, layout = self.step_inputs(sched, T, R, Td)
         t0 = time.perf_counter()
         offsets, row_index = self.row_map(sched, T, R)
-        fn, args, kw = self.step_call(bufs, layout, sched.wants_prompt_logprobs)
+        handle = StepHandle(sched, None, None, offsets, t0, T, spec=bool(self.spec_slots), row_index=row_index)
+        handle.inputs_time = t0 - t_in
+        if self.launcher is None:
+            self._launch(handle, bufs, layout, sched.wants_prompt_logprobs)
+        else:
+            handle.future = self.launcher.submit(self._launch, handle, bufs, layout, sched.wants_prompt_logprobs)
+        handle.call_time = time.perf_counter() - t0
+        return handle
+
+    def _launch(self, handle: StepHandle, bufs, layout, prompt_lp: bool) -> None:
+        """The jitted call of one step (on the engine's thread, or the launcher's)."""
+        t0 = time.perf_counter()
+        fn, args, kw = self.step_call(bufs, layout, prompt_lp)
         # traced with the context mesh: ops that shard_map a kernel (moe_ep.py) read it there;
         # plain GSPMD code is unaffected (the mesh axes are Auto). The step consumes the donated
         # cache: a KeyboardInterrupt between the call and the store would leave ``self.cache``
-        # deleted, so SIGINT is held until both are done
+        # deleted, so SIGINT is held until both are done (signals reach the main thread only)
         with jax.set_mesh(self.trace_mesh), deferred_interrupts():
             self.cache, out, plp, carry = fn(*args, **kw)
             if self.spec_slots:
                 self.spec_carry = carry
             else:
                 self.prev_sampled = carry
-        return self._timed(StepHandle(sched, out, plp, offsets, t0, T, spec=bool(self.spec_slots),
-                                      row_index=row_index), t_in)
+        handle.launched(out, plp)
+        handle.launch_time = time.perf_counter() - t0
 
-    @staticmethod
-    def _timed(handle: StepHandle, t_inputs: float) -> StepHandle:
-        handle.inputs_time = handle.t_dispatch - t_inputs
-        handle.call_time = time.perf_counter() - handle.t_dispatch
-        return handle
+    def drain(self) -> None:
+        """Wait for the steps queued on the launcher thread (``dispatch_thread``): afterwards
+        the cache and carried arrays on the runner are the newest step's."""
+        if self.launcher is not None:
+            self.launcher.drain()
 
     def execute(self, sched) -> StepHandle:
         """Dispatch one step without waiting for it."""

@@ -1,0 +1,37 @@
+"""``StepLauncher``: the jitted calls of a runner's steps on one thread of their own.
+
+A jitted call returns once the step is queued on the device, but the host works until then:
+argument handling, and on a GPU the launch of every kernel of the step. On the engine's thread
+that time adds to planning and result processing; with ``EngineConfig.dispatch_thread`` the
+runner hands the call to this thread and returns (``ModelRunner._dispatch``), so the engine
+plans the next step and processes the previous one's results meanwhile. The call releases
+Python's GIL while XLA works.
+
+One thread, calls in submission order: each call reads the cache and the carried arrays the
+previous call left on the runner, and only this thread touches them while calls are queued;
+``drain()`` waits for the queue to empty before anything else reads or replaces them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+
+class StepLauncher:
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step")
+        self._last: concurrent.futures.Future | None = None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Queue ``fn(*args)`` after every call submitted before it."""
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait until every submitted call has returned (a call's error stays with its future)."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
