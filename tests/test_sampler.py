@@ -149,6 +149,47 @@ def test_build_sampling_batch_padding_and_seed_words():
         build_sampling_batch([(SamplingParams(), 1, 0)] * 2, 1, 100)
 
 
+def test_sampling_batch_of_columns_equals_padded_rows():
+    """The engine's column form (sampler rows scattered among padding rows, params objects
+    shared between rows) equals build_sampling_batch of the same rows with explicit greedy
+    padding rows, and each row holds its own params' values (computed here row by row); bad
+    seeds and positions are named."""
+    from deepinfer_jax.sampling.sampler import sampling_batch_of
+
+    rng = np.random.default_rng(3)
+    shared = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=7, min_p=0.05), SamplingParams(top_k=300)]
+    pad = (SamplingParams(temperature=0.0), 0, 0, ())
+    for num_rows in (1, 5, 64):
+        which = np.flatnonzero(rng.random(num_rows) < 0.6)
+        cols = [(shared[int(rng.integers(4))] if rng.random() < 0.7 else
+                 SamplingParams(temperature=float(rng.uniform(0.1, 2)), top_p=float(rng.uniform(0.5, 1))),
+                 int(rng.integers(0, 2**64, dtype=np.uint64)), int(rng.integers(0, 2**31)),
+                 rng.integers(0, 100, size=int(rng.integers(0, 3))).tolist()) for _ in which]
+        rows = [pad] * num_rows
+        for i, c in zip(which, cols):
+            rows[i] = c
+        want = build_sampling_batch(rows, num_rows, vocab=100, num_banned=4)
+        got = sampling_batch_of(which, *(list(c) for c in zip(*cols)) if cols else ([], [], [], []),
+                                num_rows, 100, num_banned=4)
+        for f in ("temperature", "top_k", "top_p", "min_p", "seed", "position", "banned_RB"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        assert (got.all_greedy, got.needs_filter) == (want.all_greedy, want.needs_filter)
+        for r in range(num_rows):
+            p, seed, pos, banned = rows[r]
+            g = p.is_greedy
+            assert got.temperature[r] == np.float32(0.0 if g else p.temperature)
+            assert got.top_k[r] == (p.top_k if not g and 0 < p.top_k < 100 else 0)
+            assert got.top_p[r] == np.float32(1.0 if g else p.top_p)
+            assert got.min_p[r] == np.float32(0.0 if g else p.min_p)
+            assert got.seed[r].tolist() == [seed >> 32, seed & 0xFFFFFFFF] and got.position[r] == pos
+            assert got.banned_RB[r].tolist() == list(banned) + [-1] * (4 - len(banned))
+    with pytest.raises(ValueError, match="seed=-1"):
+        sampling_batch_of([0], [shared[0]], [-1], [0], [()], 2, 100)
+    with pytest.raises(ValueError, match=r"row 1: position=-3"):
+        sampling_batch_of([1], [shared[0]], [1], [-3], [()], 2, 100)
+
+
 def test_seed_words_are_jax_key_words():
     for seed in (0, 5, 2**32 - 1):
         hi, lo = split_seed(seed)

@@ -10,11 +10,12 @@ import dataclasses
 from typing import Any
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRow:
     """One request's part of a step, as plain data: the runner needs no scheduler object and a
     row pickles across a process boundary. Only window slices of the request's tokens are copied
-    (the row's own tokens, the Engram look-back, the chunk's prompt targets), never its history."""
+    (the row's own tokens, the Engram look-back, the chunk's prompt targets), never its history.
+    ``Scheduler._row`` builds rows positionally: keep the field order."""
 
     request_id: str
     epoch: int                 # the request's epoch when planned (unique per admission, see Scheduler)

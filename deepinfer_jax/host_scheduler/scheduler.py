@@ -187,13 +187,15 @@ class Scheduler:
         return SchedulerOutput(step, rows, preempted, hit_tokens, waits)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        planned = req.num_tokens_planned
-        if req.num_computed < planned - 1:  # prefill (or recompute) in progress
-            return min(planned - req.num_computed, budget)
-        if req.num_computed != planned - 1:
+        n_out = len(req.output_token_ids) + req.num_pending  # num_outputs_planned
+        planned = len(req.prompt_token_ids) + n_out          # num_tokens_planned
+        computed = req.num_computed
+        if computed < planned - 1:  # prefill (or recompute) in progress
+            return min(planned - computed, budget)
+        if computed != planned - 1:
             return 0  # every known token computed; a finishing sample is in flight
         p = req.params
-        if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
+        if n_out >= p.max_tokens or planned >= self.max_model_len:
             return 0  # the in-flight samples will finish it
         if self.num_draft_tokens and req.num_pending and len(req.output_token_ids) < p.min_tokens:
             return 0  # min_tokens bans need the exact output count: wait for the in-flight row
@@ -304,35 +306,41 @@ class Scheduler:
         return n, start
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
+        # (one call per row and step: the request's counts are read once into locals)
         start = req.num_computed
+        n_prompt = len(req.prompt_token_ids)
+        n_known = n_prompt + len(req.output_token_ids)
+        planned = n_known + req.num_pending
         n_draft = 0
-        if n > 1 and start == req.num_tokens_planned - 1 and req.request_id in self._draft_plan:
+        if n > 1 and start == planned - 1 and req.request_id in self._draft_plan:
             n_draft = n - 1  # a verification row: the newest token, then the drafts
-        toks, prev_row = [], -1
-        for p in range(start, start + n - n_draft):
-            t = req.token_at(p)
-            if t is None:
-                if p != start + n - n_draft - 1 or req.last_sample is None or req.last_sample[0] != step - 1:
-                    raise AssertionError(f"request {req.request_id}: token at {p} unknown and not "
-                                         f"the previous step's sample ({req.last_sample})")
-                prev_row, t = req.last_sample[1], -1
-            toks.append(t)
+        end = start + n - n_draft  # the row's tokens before its drafts: known, or the last one in flight
+        prev_row = -1
+        if end <= n_known:
+            toks = req.known_tokens(start, end)
+        else:
+            last = req.last_sample
+            if max(start, n_known) != end - 1 or last is None or last[0] != step - 1:
+                raise AssertionError(f"request {req.request_id}: token at {max(start, n_known)} unknown and not "
+                                     f"the previous step's sample ({last})")
+            toks = req.known_tokens(start, end - 1)
+            toks.append(-1)
+            prev_row = last[1]
         spec_ctx = None
         if self.num_draft_tokens and prev_row >= 0:
             # every token of the row comes from the previous step's outputs on the device; for the
             # n-gram hash of its first tokens, the device takes the last history_tokens known
             # tokens and the in-flight row's drafts, of which it keeps the accepted prefix
             H = self.history_tokens
-            n_known = req.num_tokens
             ctx = [-1] * max(H - n_known, 0) + req.known_tokens(max(n_known - H, 0), n_known)
             spec_ctx = ctx + req.draft_token_ids[:req.spec_inflight_drafts]
             toks += [-1] * n_draft
             self.num_device_rows += 1
         else:
             toks += req.draft_token_ids[:n_draft]
-        was_prefill = req.is_prefill
+        was_prefill = start < planned - 1
         req.num_computed += n
-        sample = req.num_computed - n_draft == req.num_tokens_planned
+        sample = end == planned
         banned: list[int] = []
         ban_slots = 1
         if sample:
@@ -344,7 +352,6 @@ class Scheduler:
                 eos = req.eos_token_id is not None and not req.params.ignore_eos  # as min_tokens_banned_ids
                 banned = ([req.eos_token_id] if eos else []) + list(req.params.stop_token_ids)
                 ban_slots = min(req.params.min_tokens - n_out, 1 + n_draft)
-        n_prompt = len(req.prompt_token_ids)
         # also after a preemption: the results of rows of the older epoch are dropped, so the
         # recomputed prompt chunks must deliver their prompt logprobs again
         want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1
@@ -354,13 +361,14 @@ class Scheduler:
             known = n - (1 if prev_row >= 0 else 0)
             history = req.known_tokens(max(start - self.history_tokens, 0), start + known - n_draft)
             history += req.draft_token_ids[:n_draft]
-        self._register_blocks(req)
+        if self.ec.enable_prefix_caching and min(req.num_computed, n_known) // self.ec.block_tokens > req.num_registered_blocks:
+            self._register_blocks(req)
+        floor = req.floor
+        # positional, in ScheduledRow's field order (one per row and step: keywords cost more)
         return ScheduledRow(
-            request_id=req.request_id, epoch=req.epoch, start=start, token_ids=toks, prev_row=prev_row,
-            sample=sample, slot=req.slot, blocks=list(req.blocks), floor=req.floor,
-            dec_floor=max(req.floor, req.dec_floor), cache_start=req.cache_start, is_prefill=was_prefill,
-            params=req.params, seed=req.seed, banned=banned, ban_slots=ban_slots, prompt_logprobs=want_plp,
-            prompt_targets=targets, history=history, num_drafts=n_draft, spec_ctx=spec_ctx)
+            req.request_id, req.epoch, start, toks, prev_row, sample, req.slot, list(req.blocks), floor,
+            max(floor, req.dec_floor), req.cache_start, was_prefill, req.params, req.seed, banned, want_plp,
+            targets, history, n_draft, spec_ctx, ban_slots)
 
     # ------------------------------------------------------------------ cache bookkeeping
     def _update_hashes(self, req: Request) -> None:

@@ -25,8 +25,7 @@ import numpy as np
 
 from deepinfer_jax.runner.engram_hash_device import window_partials
 from deepinfer_jax.base.forward_batch import ForwardBatch, pack_batch
-from deepinfer_jax.sampling.params import SamplingParams
-from deepinfer_jax.sampling.sampler import SampleRow, SamplingBatch, build_sampling_batch
+from deepinfer_jax.sampling.sampler import SamplingBatch, sampling_batch_of
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +50,6 @@ class StepInput:
 
 
 NUM_BANNED = 8  # banned ids per sampler row (EOS + stop ids under min_tokens); more recompiles
-_PAD_ROW = SampleRow(SamplingParams(temperature=0.0), 0, 0, ())
 
 
 def pick_bucket(n: int, buckets) -> int:
@@ -155,12 +153,14 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
         logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens,
         cp_devices=cp_devices)
-    srows = [_PAD_ROW] * num_rows
-    for i in np.flatnonzero(sample_R):
-        r = rows[i]
-        srows[i] = SampleRow(r.params, r.seed, r.sample_position, r.banned)
-    sampling = build_sampling_batch(srows, num_rows, vocab,
-                                    num_banned=banned_width(sched) if num_banned is None else num_banned)
+    # sampler row i is the plan's row i; rows that do not sample are greedy padding
+    samp_R = np.flatnonzero(sample_R)
+    srows = [rows[i] for i in samp_R]
+    nd_R = np.fromiter((r.num_drafts for r in srows), np.int64, len(srows)) if K else 0
+    sampling = sampling_batch_of(samp_R, [r.params for r in srows], [r.seed for r in srows],
+                                 start_R[samp_R] + n_R[samp_R] - nd_R,  # ScheduledRow.sample_position
+                                 [r.banned for r in srows], num_rows, vocab,
+                                 num_banned=banned_width(sched) if num_banned is None else num_banned)
     # one compiled sampler for every batch composition (no static fast paths)
     sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
     allowed = None

@@ -125,54 +125,70 @@ def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab
     recompiles. ``params`` are assumed validated; greedy params (``is_greedy``) become
     ``temperature=0`` with the filters off, ``top_k >= vocab`` becomes 0."""
     rows = [r if isinstance(r, SampleRow) else SampleRow(*r) for r in rows]
-    n = len(rows)
-    if n > num_rows:
-        raise ValueError(f"num_rows={num_rows} < {n} rows")
-    longest = max((len(r.banned) for r in rows), default=0)
+    if len(rows) > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {len(rows)} rows")
+    params, seeds, positions, banned = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+    return sampling_batch_of(np.arange(len(rows)), params, seeds, positions, banned, num_rows, vocab, num_banned)
+
+
+def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[int], positions,
+                      banned: Sequence[Sequence[int]], num_rows: int, vocab: int,
+                      num_banned: int | None = None) -> SamplingBatch:
+    """``build_sampling_batch`` from columns: sampler rows ``row_R`` (ints below ``num_rows``)
+    get ``params[i]``, ``seeds[i]``, ``positions[i]`` and ``banned[i]``; every other row is
+    padding. Vectorised over rows (the engine builds this every step for up to
+    ``max_num_seqs`` rows): the sampler values are read once per distinct params object."""
+    row_R = np.asarray(row_R, np.int64)
+    n = row_R.shape[0]
+    longest = max(map(len, banned), default=0)
     if num_banned is None:
         num_banned = 1 << max(0, longest - 1).bit_length()
     elif longest > num_banned:
         raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
 
-    # vectorised over rows (the engine builds this every step for up to max_num_seqs rows)
-    params = [r.params for r in rows]
-    greedy = np.fromiter((p.is_greedy for p in params), bool, n)
+    # rows share a few params objects: their values once per object, then gathered per row
+    first = dict(zip(map(id, params), params))
+    order = {k: i for i, k in enumerate(first)}
+    which = np.fromiter(map(order.__getitem__, map(id, params)), np.int64, n)
+    vals = np.array([(p.is_greedy, p.temperature, p.top_k, p.top_p, p.min_p) for p in first.values()],
+                    np.float64).reshape(-1, 5)[which]
+    greedy = vals[:, 0] != 0
     temperature = np.zeros(num_rows, np.float32)
-    temperature[:n] = np.where(greedy, 0.0, np.fromiter((p.temperature for p in params), np.float64, n))
-    tk = np.fromiter((p.top_k for p in params), np.int64, n)
+    temperature[row_R] = np.where(greedy, 0.0, vals[:, 1])
+    tk = vals[:, 2].astype(np.int64)
     top_k = np.zeros(num_rows, np.int32)
-    top_k[:n] = np.where(~greedy & (tk > 0) & (tk < vocab), tk, 0)
+    top_k[row_R] = np.where(~greedy & (tk > 0) & (tk < vocab), tk, 0)
     top_p = np.ones(num_rows, np.float32)
-    top_p[:n] = np.where(greedy, 1.0, np.fromiter((p.top_p for p in params), np.float64, n))
+    top_p[row_R] = np.where(greedy, 1.0, vals[:, 3])
     min_p = np.zeros(num_rows, np.float32)
-    min_p[:n] = np.where(greedy, 0.0, np.fromiter((p.min_p for p in params), np.float64, n))
-    seeds = [int(r.seed) for r in rows]
-    for s in seeds:
-        if not 0 <= s < SEED_LIMIT:
-            split_seed(s)  # raises, naming the seed
-    seed_R = np.fromiter(seeds, np.uint64, n)
+    min_p[row_R] = np.where(greedy, 0.0, vals[:, 4])
+    try:
+        seed_R = np.fromiter(map(int, seeds), np.uint64, n)  # OverflowError outside [0, 2**64)
+    except OverflowError:
+        for s in seeds:
+            split_seed(int(s))  # raises, naming the seed
+        raise
     seed = np.zeros((num_rows, 2), np.uint32)
-    seed[:n, 0] = (seed_R >> np.uint64(32)).astype(np.uint32)
-    seed[:n, 1] = (seed_R & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    pos_R = np.fromiter((r.position for r in rows), np.int64, n)
+    seed[row_R, 0] = (seed_R >> np.uint64(32)).astype(np.uint32)
+    seed[row_R, 1] = (seed_R & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    pos_R = np.asarray(positions, np.int64).reshape(n)
     out_of_range = (pos_R < 0) | (pos_R >= POSITION_LIMIT)
     if out_of_range.any():
         i = int(np.argmax(out_of_range))
-        raise ValueError(f"row {i}: position={rows[i].position!r} out of range [0, 2**31)")
+        raise ValueError(f"row {int(row_R[i])}: position={positions[i]!r} out of range [0, 2**31)")
     position = np.zeros(num_rows, np.int32)
-    position[:n] = pos_R
-    banned = np.full((num_rows, num_banned), -1, np.int32)
-    for i, r in enumerate(rows):
-        if not r.banned:
-            continue
-        bad = [t for t in r.banned if not 0 <= t < vocab]
+    position[row_R] = pos_R
+    ban = np.full((num_rows, num_banned), -1, np.int32)
+    for i in (i for i, b in enumerate(banned) if b):
+        b = banned[i]
+        bad = [t for t in b if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"row {i}: banned token ids {bad} out of range [0, {vocab})")
-        banned[i, :len(r.banned)] = r.banned
+            raise ValueError(f"row {int(row_R[i])}: banned token ids {bad} out of range [0, {vocab})")
+        ban[row_R[i], :len(b)] = b
     sampled = temperature >= SAMPLING_EPS
     needs_filter = bool(np.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))))
     return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                         position=position, banned_RB=banned, all_greedy=not bool(sampled.any()),
+                         position=position, banned_RB=ban, all_greedy=not bool(sampled.any()),
                          needs_filter=needs_filter)
 
 

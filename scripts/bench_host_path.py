@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The engine's own host work per step, without a device: plan, build inputs, apply results.
+
+Drives the real ``LLMEngine`` (scheduler, ``build_step_input`` + packing, result processing with
+detokenization and stop checks) with a runner whose jitted call is replaced by synthetic
+outputs (random token ids, put on the device at once), so each step's host phases are measured alone:
+no device time, no XLA thread competing for the cores, no kernel launches. What the jitted call
+itself costs depends on the device (``bench_offline.py`` measures it there, and
+``EngineConfig.dispatch_thread`` moves it off the engine's thread).
+
+For each row count R: R prompts of ``--input-len`` tokens (the shipped model's tokenizer and
+Engram hashing by default), ``--output-len`` greedy tokens each, ``max_num_seqs = R``, one token
+bucket for the prefill (every prompt in the first step) and one of R tokens for the decode
+steps; the table gives per-phase medians over the decode steps (every row one token), their
+total, and the prefill step's total for reference.
+
+    python scripts/bench_host_path.py                      # R = 64 128 256 512, sync and async
+    python scripts/bench_host_path.py --rows 256 --modes async --out /tmp/host.json
+
+Writes JSON (default ``benchmarks/results/host_path_<machine>.json``) with the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PHASES = ("schedule", "inputs", "call", "process")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_only_runner(model_dir: str, ec, cfg, seed: int):
+    """A ``ModelRunner`` without weights or cache whose step call returns random tokens."""
+    import jax
+    import numpy as np
+
+    from deepinfer_jax.models.cache import CacheConfig
+    from deepinfer_jax.runner.engram_hash import EngramHasher
+    from deepinfer_jax.runner.model_runner import ModelRunner
+    from deepinfer_jax.sampling.sampler import SamplerOutput
+
+    class HostOnlyRunner(ModelRunner):
+        def __init__(self):  # noqa: D401 - the parts of ModelRunner.__init__ the host path reads
+            self.ec, self.cfg, self.mesh = ec, cfg, None
+            self.kernels, self.batch_invariant, self.spec_slots = "reference", False, 0
+            self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
+                                            block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
+                                            index_key_dtype=ec.index_key_dtype)
+            self.hasher = None
+            if cfg.engram_enabled:
+                tok = os.path.join(model_dir, "tokenizer.json")
+                self.hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None)
+            self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
+            self.num_rows = ec.max_num_seqs
+            self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
+            self.bucket_seconds, self.launcher = {}, None
+            self.trace_mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
+            self.rng = np.random.default_rng(seed)
+
+        def step_call(self, bufs, layout, prompt_lp):
+            def step():  # the jitted step's outputs: (cache, sampler outputs, prompt logprobs, carry)
+                R, N = self.num_rows, ec.max_logprobs
+                out = SamplerOutput(self.rng.integers(4, cfg.vocab_size, R).astype(np.int32),
+                                    -self.rng.random(R, dtype=np.float32), np.zeros((R, N), np.int32),
+                                    np.zeros((R, N), np.float32))
+                return None, jax.device_put(out), None, None
+
+            return step, (), {}
+
+    return HostOnlyRunner()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir or name (default: the shipped model)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512])
+    ap.add_argument("--input-len", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for name in ("rows", "input_len", "output_len"):
+        vals = getattr(args, name)
+        if any(v < 1 for v in (vals if isinstance(vals, list) else [vals])):
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {vals}")
+    modes = args.modes.split(",")
+    if any(m not in ("sync", "async") for m in modes):
+        ap.error(f"--modes: {args.modes!r}: expected sync and/or async")
+
+    import numpy as np
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
+    from deepinfer_jax.sampling.params import SamplingParams
+    from deepinfer_jax.tokenizer.loader import load_tokenizer
+
+    model_dir = resolve_model(args.model or DEFAULT_MODEL, progress=False)
+    cfg = ModelConfig.from_json(model_dir)
+    tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    rng = np.random.default_rng(args.seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    table = []
+    print(f"host: {cpu_model()}; model {os.path.basename(model_dir)}; {args.input_len} prompt + "
+          f"{args.output_len} output tokens a request; medians over decode steps, ms")
+    print(f"{'rows':>5} {'mode':6} {'steps':>6} " + " ".join(f"{p:>9}" for p in PHASES)
+          + f" {'total':>8} {'prefill total':>14}")
+    for R in args.rows:
+        # every prompt in the first step, then R decode rows a step at a bucket of R tokens
+        prefill = R * args.input_len
+        ec = EngineConfig.from_kwargs(max_num_seqs=R, max_num_batched_tokens=prefill,
+                                      token_buckets=tuple(sorted({R, prefill})), precompile=False)
+        ec = ec.resolve(cfg, "cpu")
+        prompts = [rng.integers(4, min(cfg.vocab_size, tok.vocab_size), args.input_len).tolist() for _ in range(R)]
+        for mode in modes:
+            runner = host_only_runner(model_dir, ec, cfg, args.seed)
+            engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=(mode == "async")), tok,
+                               cfg.eos_token_id, vocab_size=cfg.vocab_size)
+            engine.add_requests([(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+            t0 = time.perf_counter()
+            outs = engine.run_until_done()
+            wall = time.perf_counter() - t0
+            assert len(outs) == R and all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+            dec = [s for s in engine.stats.steps if s.num_prefill_tokens == 0 and s.num_rows == R]
+            pre = [s for s in engine.stats.steps if s.num_prefill_tokens > 0]
+            med = {p: 1e3 * statistics.median(getattr(s, p + "_s") for s in dec) for p in PHASES} if dec else {}
+            total = sum(med.values())
+            pre_total = 1e3 * statistics.median(sum(getattr(s, p + "_s") for p in PHASES) for s in pre) if pre else 0.0
+            table.append(dict(rows=R, mode=mode, decode_steps=len(dec), steps=len(engine.stats.steps),
+                              median_ms=med, decode_total_ms=total, prefill_total_ms=pre_total, wall_s=wall))
+            print(f"{R:5d} {mode:6} {len(dec):6d} " + " ".join(f"{med.get(p, 0):9.3f}" for p in PHASES)
+                  + f" {total:8.3f} {pre_total:14.3f}")
+    out = args.out or os.path.join("benchmarks", "results", f"host_path_{platform.machine()}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    import jax
+
+    with open(out, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "host": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                   "numpy": np.__version__, "jax": jax.__version__, "model": os.path.basename(model_dir),
+                   "args": vars(args), "table": table}, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
