@@ -78,9 +78,14 @@ def test_dispatch_thread_equals_engine_thread(model_dir, prompts16, batched16):
     """EngineConfig.dispatch_thread: the jitted calls run on the launcher thread; same tokens,
     async and sync, through preemptions (whose recomputed steps queue behind in-flight calls)
     and with seeded sampling; the launcher's call time is recorded per step."""
+    import sys
     import threading
 
+    from deepinfer_jax.runner.step_launcher import SWITCH_INTERVAL_S
+
+    interval = sys.getswitchinterval()
     threaded = LLM(model_dir, dispatch_thread=True, num_blocks=8, **BASE)
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S  # the GIL changes hands within a step's work
     callers = set()
     launch = threaded.runner._launch
     threaded.runner._launch = lambda *a: (callers.add(threading.current_thread().name), launch(*a))[1]
@@ -95,6 +100,7 @@ def test_dispatch_thread_equals_engine_thread(model_dir, prompts16, batched16):
     assert tokens(threaded.generate(prompts16[:6], sampled, use_tqdm=False)) == want
     sync = LLM(model_dir, dispatch_thread=True, async_scheduling=False, **BASE)
     assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
+    sys.setswitchinterval(interval)  # the rest of this test process as before
 
 
 def test_row_buckets(model_dir, prompts16, batched16):

@@ -10,17 +10,32 @@ Python's GIL while XLA works.
 One thread, calls in submission order: each call reads the cache and the carried arrays the
 previous call left on the runner, and only this thread touches them while calls are queued;
 ``drain()`` waits for the queue to empty before anything else reads or replaces them.
+
+Both threads run Python between the GIL-free parts, and a thread that asks for the GIL gets it
+only when the holder's switch interval runs out (Python's default: 5 ms), longer than a whole
+step's host work. A launcher therefore lowers the process's switch interval to
+``SWITCH_INTERVAL_S`` (never raises it; process-wide, as the GIL is).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import sys
+
+SWITCH_INTERVAL_S = 2e-4
+
+log = logging.getLogger(__name__)
 
 
 class StepLauncher:
     def __init__(self):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepinfer-step")
         self._last: concurrent.futures.Future | None = None
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            log.info("dispatch thread: Python's switch interval %.4g s -> %.4g s", sys.getswitchinterval(),
+                     SWITCH_INTERVAL_S)
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Queue ``fn(*args)`` after every call submitted before it."""
