@@ -4,8 +4,9 @@ A jitted call returns once the step is queued on the device, but the host works 
 argument handling, and on a GPU the launch of every kernel of the step. On the engine's thread
 that time adds to planning and result processing; with ``EngineConfig.dispatch_thread`` the
 runner hands the call to this thread and returns (``ModelRunner._dispatch``), so the engine
-plans the next step and processes the previous one's results meanwhile. The call releases
-Python's GIL while XLA works.
+plans the next step and processes the previous one's results meanwhile, wherever the call runs
+without Python's GIL (jaxlib releases it around its runtime calls; its argument handling holds
+it).
 
 One thread, calls in submission order: each call reads the cache and the carried arrays the
 previous call left on the runner, and only this thread touches them while calls are queued;
