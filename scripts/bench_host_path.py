@@ -50,23 +50,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_only_runner(model_dir: str, ec, cfg, seed: int):
-    """A ``ModelRunner`` without weights or cache whose step call returns random tokens."""
+def host_only_runner(model_dir: str, ec, cfg, seed: int, accept: float = 0.6):
+    """A ``ModelRunner`` without weights or cache whose step call returns random tokens; with
+    speculation (``ec.spec_decode``), each draft passes with probability ``accept`` until the
+    first rejection, and the next drafts and their confidence logits are random. Varlen planning
+    reads a modelled step-time curve, 5 ms + 2 us a token (``bucket_seconds``)."""
     import jax
     import numpy as np
 
     from deepinfer_jax.models.cache import CacheConfig
     from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.runner.model_runner import ModelRunner
+    from deepinfer_jax.runner.spec_step import SpecStepOutput
     from deepinfer_jax.sampling.sampler import SamplerOutput
 
     class HostOnlyRunner(ModelRunner):
         def __init__(self):  # noqa: D401 - the parts of ModelRunner.__init__ the host path reads
             self.ec, self.cfg, self.mesh = ec, cfg, None
-            self.kernels, self.batch_invariant, self.spec_slots = "reference", False, 0
+            self.kernels, self.batch_invariant = "reference", False
+            self.spec_slots = ec.num_draft_tokens if ec.spec_decode == "dspark" else 0
             self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                             block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
-                                            index_key_dtype=ec.index_key_dtype)
+                                            index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
             self.hasher = None
             if cfg.engram_enabled:
                 tok = os.path.join(model_dir, "tokenizer.json")
@@ -74,16 +79,36 @@ def host_only_runner(model_dir: str, ec, cfg, seed: int):
             self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
             self.num_rows = ec.max_num_seqs
             self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
-            self.bucket_seconds, self.launcher = {}, None
+            self.launcher = None
+            self.bucket_seconds = {T: 5e-3 + 2e-6 * T for T in ec.token_buckets} if self.spec_slots else {}
             self.trace_mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
             self.rng = np.random.default_rng(seed)
+            self._sched = None
+
+        def step_inputs(self, sched, T, R, Td):
+            self._sched = sched  # the fake step reads the rows' draft counts
+            return super().step_inputs(sched, T, R, Td)
 
         def step_call(self, bufs, layout, prompt_lp):
+            rows = self._sched.rows
+
             def step():  # the jitted step's outputs: (cache, sampler outputs, prompt logprobs, carry)
-                R, N = self.num_rows, ec.max_logprobs
-                out = SamplerOutput(self.rng.integers(4, cfg.vocab_size, R).astype(np.int32),
-                                    -self.rng.random(R, dtype=np.float32), np.zeros((R, N), np.int32),
-                                    np.zeros((R, N), np.float32))
+                R, N, K, rng = self.num_rows, ec.max_logprobs, self.spec_slots, self.rng
+                if not K:
+                    out = SamplerOutput(rng.integers(4, cfg.vocab_size, R).astype(np.int32),
+                                        -rng.random(R, dtype=np.float32), np.zeros((R, N), np.int32),
+                                        np.zeros((R, N), np.float32))
+                    return None, jax.device_put(out), None, None
+                nd = np.zeros(R, np.int64)
+                nd[:len(rows)] = [r.num_drafts for r in rows]
+                passed = rng.random((R, K)) < accept
+                first_fail = np.where(passed.all(1), K, np.argmin(passed, 1))
+                out = SpecStepOutput(np.minimum(first_fail, nd).astype(np.int32),
+                                     rng.integers(4, cfg.vocab_size, (R, K + 1)).astype(np.int32),
+                                     -rng.random((R, K + 1), dtype=np.float32), np.zeros((R, K + 1, N), np.int32),
+                                     np.zeros((R, K + 1, N), np.float32),
+                                     rng.integers(4, cfg.vocab_size, (R, K)).astype(np.int32),
+                                     rng.normal(size=(R, K)).astype(np.float32))
                 return None, jax.device_put(out), None, None
 
             return step, (), {}
@@ -98,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--spec", default="none", help="comma-separated: none, fixed, varlen (DSpark rows; "
+                    "random acceptance --accept per draft)")
+    ap.add_argument("--accept", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -108,6 +136,11 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if any(m not in ("sync", "async") for m in modes):
         ap.error(f"--modes: {args.modes!r}: expected sync and/or async")
+    specs = args.spec.split(",")
+    if any(m not in ("none", "fixed", "varlen") for m in specs):
+        ap.error(f"--spec: {args.spec!r}: expected none, fixed and/or varlen")
+    if not 0.0 <= args.accept <= 1.0:
+        ap.error(f"--accept: {args.accept}: must be in [0, 1]")
 
     import numpy as np
 
@@ -126,19 +159,26 @@ def main(argv=None) -> int:
     table = []
     print(f"host: {cpu_model()}; model {os.path.basename(model_dir)}; {args.input_len} prompt + "
           f"{args.output_len} output tokens a request; medians over decode steps, ms")
-    print(f"{'rows':>5} {'mode':6} {'steps':>6} " + " ".join(f"{p:>9}" for p in PHASES)
+    print(f"{'rows':>5} {'mode':6} {'spec':6} {'steps':>6} " + " ".join(f"{p:>9}" for p in PHASES)
           + f" {'total':>8} {'prefill total':>14}   (total: plan + inputs + results)")
-    for R in args.rows:
-        # every prompt in the first step, then R decode rows a step at a bucket of R tokens
-        prefill = R * args.input_len
-        ec = EngineConfig.from_kwargs(max_num_seqs=R, max_num_batched_tokens=prefill,
-                                      token_buckets=tuple(sorted({R, prefill})), precompile=False)
+    for R, spec, mode in ((R, spec, mode) for R in args.rows for spec in specs for mode in modes):
+        # every prompt in the first step, then R decode rows a step (verification rows with
+        # speculation: buckets of R, 2R, ... (K+1)R tokens)
+        K = cfg.dspark_block_size if spec != "none" else 0  # EngineConfig's default num_draft_tokens
+        kw = dict(spec_decode="dspark", spec_varlen=(spec == "varlen")) if spec != "none" else {}
+        prefill = max(R * args.input_len, R * (K + 1))
+        ec = EngineConfig.from_kwargs(max_num_seqs=R, max_num_batched_tokens=prefill, precompile=False,
+                                      token_buckets=tuple(sorted({R * (k + 1) for k in range(K + 1)} | {prefill})),
+                                      **kw)
         ec = ec.resolve(cfg, "cpu")
         prompts = [rng.integers(4, min(cfg.vocab_size, tok.vocab_size), args.input_len).tolist() for _ in range(R)]
-        for mode in modes:
-            runner = host_only_runner(model_dir, ec, cfg, args.seed)
+        if spec != "none" and not cfg.dspark_enabled:
+            ap.error(f"--spec {spec}: model {os.path.basename(model_dir)} has no DSpark stages")
+        if True:
+            runner = host_only_runner(model_dir, ec, cfg, args.seed, args.accept)
             engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=(mode == "async")), tok,
                                cfg.eos_token_id, vocab_size=cfg.vocab_size)
+            engine.forward_estimator = None  # plan from the modelled curve, not the fake steps' times
             engine.add_requests([(f"r{i}", p, sp) for i, p in enumerate(prompts)])
             t0 = time.perf_counter()
             outs = engine.run_until_done()
@@ -149,10 +189,15 @@ def main(argv=None) -> int:
             med = {p: 1e3 * statistics.median(getattr(s, p + "_s") for s in dec) for p in PHASES} if dec else {}
             total = sum(v for p, v in med.items() if p != "call")
             pre_total = 1e3 * statistics.median(sum(getattr(s, p + "_s") for p in OWN) for s in pre) if pre else 0.0
-            table.append(dict(rows=R, mode=mode, decode_steps=len(dec), steps=len(engine.stats.steps),
-                              median_ms=med, decode_total_ms=total, prefill_total_ms=pre_total, wall_s=wall))
-            print(f"{R:5d} {mode:6} {len(dec):6d} " + " ".join(f"{med.get(p, 0):9.3f}" for p in PHASES)
-                  + f" {total:8.3f} {pre_total:14.3f}")
+            summ = engine.stats.summary()
+            table.append(dict(rows=R, mode=mode, spec=spec, decode_steps=len(dec), steps=len(engine.stats.steps),
+                              median_ms=med, decode_total_ms=total, prefill_total_ms=pre_total, wall_s=wall,
+                              mean_accepted_length=summ["mean_accepted_length"],
+                              drafts_per_row=summ["drafts_verified"] / max(summ["spec_rows"], 1)))
+            print(f"{R:5d} {mode:6} {spec:6} {len(dec):6d} " + " ".join(f"{med.get(p, 0):9.3f}" for p in PHASES)
+                  + f" {total:8.3f} {pre_total:14.3f}"
+                  + (f"   drafts/row {table[-1]['drafts_per_row']:.2f}, tau {summ['mean_accepted_length']:.2f}"
+                     if spec != "none" else ""))
     out = args.out or os.path.join("benchmarks", "results", f"host_path_{platform.machine()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     import jax

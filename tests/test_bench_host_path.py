@@ -26,7 +26,22 @@ def test_host_path_bench_runs_the_engine_and_reports_decode_phases(tmp_path, cap
     assert "rows mode" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, match", [(["--rows", "0"], "--rows"), (["--modes", "fast"], "--modes")])
+def test_host_path_bench_with_speculation(tmp_path):
+    """DSpark rows (fixed and varlen) through the real engine: every request still gets its
+    tokens, verification rows carry drafts and about accept-rate tokens pass."""
+    bench = load_script("bench_host_path")
+    out = tmp_path / "spec.json"
+    assert bench.main(["--rows", "8", "--input-len", "4", "--output-len", "12", "--spec", "fixed,varlen",
+                       "--modes", "async", "--accept", "1.0", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    fixed, varlen = res["table"]
+    assert (fixed["spec"], varlen["spec"]) == ("fixed", "varlen")
+    assert fixed["drafts_per_row"] > 3 and fixed["mean_accepted_length"] > 3  # every draft passes
+    assert 0 < varlen["drafts_per_row"] <= fixed["drafts_per_row"]
+
+
+@pytest.mark.parametrize("args, match", [(["--rows", "0"], "--rows"), (["--modes", "fast"], "--modes"),
+                                         (["--spec", "eagle"], "--spec"), (["--accept", "2"], "--accept")])
 def test_host_path_bench_refuses_bad_arguments(args, match, capsys):
     bench = load_script("bench_host_path")
     with pytest.raises(SystemExit):

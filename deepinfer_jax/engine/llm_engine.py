@@ -371,8 +371,10 @@ class LLMEngine:
         K = getattr(self.scheduler, "num_draft_tokens", 0)
         verified, accepted, proposed = 0, 0, 0
         spec_rows, acc_pos = 0, [0] * K
-        if not spec:  # Python scalars once, not a numpy index per row
-            tok_R, lp_R = res.token_ids.tolist(), res.logprob.tolist()
+        # Python scalars once per step, not a numpy index per row and token
+        tok_R, lp_R = res.token_ids.tolist(), res.logprob.tolist()
+        if spec:
+            acc_R, dids_R, dconf_R = res.num_accepted.tolist(), res.draft_ids.tolist(), res.draft_conf.tolist()
         for i, row in enumerate(sched.rows):
             st = self._states.get(row.request_id)
             req = st.request if st is not None else None
@@ -392,7 +394,7 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             if spec:
-                a = int(res.num_accepted[i])
+                a = acc_R[i]
                 self.scheduler.commit_verification(req, row.num_drafts, a)
                 if row.num_drafts:
                     # the drafts verified here came with the previous step's results, and so did
@@ -412,16 +414,17 @@ class LLMEngine:
                         pp[j] += 1
                 status = None
                 emitted = []
-                for j, t in enumerate(res.emitted(i)):
-                    status = self.outputs.add_token(st, t, float(res.logprob[i, j]), res.top_ids[i, j],
-                                                    res.top_logprobs[i, j])
+                lp_j = lp_R[i]
+                for j, t in enumerate(tok_R[i][:a + 1]):  # the accepted drafts, then the correction / bonus
+                    top = (res.top_ids[i, j], res.top_logprobs[i, j]) if st.logprobs is not None else (None, None)
+                    status = self.outputs.add_token(st, t, lp_j[j], *top)
                     emitted.append(t)
                     self.stats.generated_tokens += 1
                     if status is not None:
                         break
                 if status is None:  # the next verification row's drafts
-                    req.draft_token_ids = [int(t) for t in res.draft_ids[i]]
-                    req.draft_confidence = [float(c) for c in res.draft_conf[i]]
+                    req.draft_token_ids = dids_R[i]
+                    req.draft_confidence = dconf_R[i]
                     req.num_drafts_proposed += len(req.draft_token_ids)
                     proposed += len(req.draft_token_ids)
                 g_status = self._advance_grammar(req, emitted) if status is None else None

@@ -209,6 +209,3 @@ class SpecStepResult:
     prompt_top_ids: np.ndarray | None
     prompt_top_lp: np.ndarray | None
     token_offsets: list[int]
-
-    def emitted(self, i: int) -> list[int]:
-        return [int(t) for t in self.token_ids[i, :int(self.num_accepted[i]) + 1]]
