@@ -58,30 +58,16 @@ def host_only_runner(model_dir: str, ec, cfg, seed: int, accept: float = 0.6):
     import jax
     import numpy as np
 
-    from deepinfer_jax.models.cache import CacheConfig
-    from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.runner.model_runner import ModelRunner
     from deepinfer_jax.runner.spec_step import SpecStepOutput
     from deepinfer_jax.sampling.sampler import SamplerOutput
 
     class HostOnlyRunner(ModelRunner):
-        def __init__(self):  # noqa: D401 - the parts of ModelRunner.__init__ the host path reads
-            self.ec, self.cfg, self.mesh = ec, cfg, None
-            self.kernels, self.batch_invariant = "reference", False
-            self.spec_slots = ec.num_draft_tokens if ec.spec_decode == "dspark" else 0
-            self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
-                                            block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
-                                            index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
-            self.hasher = None
-            if cfg.engram_enabled:
-                tok = os.path.join(model_dir, "tokenizer.json")
-                self.hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None)
-            self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
-            self.num_rows = ec.max_num_seqs
-            self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
-            self.launcher = None
-            self.bucket_seconds = {T: 5e-3 + 2e-6 * T for T in ec.token_buckets} if self.spec_slots else {}
-            self.trace_mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
+        def __init__(self):
+            self._init_host(model_dir, ec, cfg, None)  # the host state only: no weights, no cache
+            self.kernels = "reference"
+            if self.spec_slots:  # varlen's start-up curve (the real runner profiles its buckets)
+                self.bucket_seconds = {T: 5e-3 + 2e-6 * T for T in ec.token_buckets}
             self.rng = np.random.default_rng(seed)
             self._sched = None
 

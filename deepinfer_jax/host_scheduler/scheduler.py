@@ -187,15 +187,13 @@ class Scheduler:
         return SchedulerOutput(step, rows, preempted, hit_tokens, waits)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n_out = len(req.output_token_ids) + req.num_pending  # num_outputs_planned
-        planned = len(req.prompt_token_ids) + n_out          # num_tokens_planned
-        computed = req.num_computed
-        if computed < planned - 1:  # prefill (or recompute) in progress
-            return min(planned - computed, budget)
-        if computed != planned - 1:
+        planned = req.num_tokens_planned
+        if req.num_computed < planned - 1:  # prefill (or recompute) in progress
+            return min(planned - req.num_computed, budget)
+        if req.num_computed != planned - 1:
             return 0  # every known token computed; a finishing sample is in flight
         p = req.params
-        if n_out >= p.max_tokens or planned >= self.max_model_len:
+        if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
             return 0  # the in-flight samples will finish it
         if self.num_draft_tokens and req.num_pending and len(req.output_token_ids) < p.min_tokens:
             return 0  # min_tokens bans need the exact output count: wait for the in-flight row
@@ -361,8 +359,7 @@ class Scheduler:
             known = n - (1 if prev_row >= 0 else 0)
             history = req.known_tokens(max(start - self.history_tokens, 0), start + known - n_draft)
             history += req.draft_token_ids[:n_draft]
-        if self.ec.enable_prefix_caching and min(req.num_computed, n_known) // self.ec.block_tokens > req.num_registered_blocks:
-            self._register_blocks(req)
+        self._register_blocks(req)
         floor = req.floor
         # positional, in ScheduledRow's field order (one per row and step: keywords cost more)
         return ScheduledRow(

@@ -170,9 +170,27 @@ class ModelRunner:
         if getattr(ec, "eplb_redundant_experts", 0) and not self.places_experts:
             raise ValueError(f"EngineConfig.eplb_redundant_experts={ec.eplb_redundant_experts}: redundant experts "
                              "need the DP runner (runner/dp_runner.py; LLM picks it)")
-        self.ec = ec
-        self.mesh = mesh
-        self.cfg = cfg or ModelConfig.from_json(model_dir)
+        self._init_host(model_dir, ec, cfg or ModelConfig.from_json(model_dir), mesh)
+        model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
+        self.graphdef, state = nnx.split(model)
+        self.state_leaves, state_treedef = jax.tree.flatten(state)
+        self.state_treedef = state_treedef
+        self._step = step_function(self.graphdef, state_treedef, batch_invariant=self.batch_invariant)
+        if self.spec_slots:
+            self._spec_step = step_function(self.graphdef, state_treedef, spec=True,
+                                            batch_invariant=self.batch_invariant)
+            self.spec_carry = self._committed(SpecCarry.empty(ec.max_num_seqs, self.spec_slots))
+        self.cache = self._allocate_cache()
+        self.engram_tables = None
+        if self.hasher is not None:
+            self.engram_tables = jax.device_put(DeviceEngramTables.from_hasher(self.hasher))
+        self.prev_sampled = self._committed(jnp.zeros((self.num_rows,), jnp.int32))
+
+    def _init_host(self, model_dir: str, ec, cfg: ModelConfig, mesh) -> None:
+        """The runner's host-side state: what building step inputs, picking buckets and
+        dispatching read (no weights, no device arrays; ``scripts/bench_host_path.py`` runs on
+        this alone)."""
+        self.ec, self.mesh, self.cfg = ec, mesh, cfg
         self.kernels = ec.kernels or ops.default_backend()  # this runner's choice, not the process's
         self.batch_invariant = ec.batch_invariant  # base/batch_invariant.py
         # ops that shard_map a kernel read the context mesh at trace time (moe_ep.py); without a
@@ -180,31 +198,19 @@ class ModelRunner:
         # keeps its kernels (several devices and no mesh would make them fall back)
         self.trace_mesh = mesh if mesh is not None else jax.sharding.Mesh(
             np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
-        model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
-        self.graphdef, state = nnx.split(model)
-        self.state_leaves, state_treedef = jax.tree.flatten(state)
-        self.state_treedef = state_treedef
-        self._step = step_function(self.graphdef, state_treedef, batch_invariant=self.batch_invariant)
         # speculative decoding: verification rows of 1 + spec_slots tokens (0 = off)
         self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
-        if self.spec_slots:
-            self._spec_step = step_function(self.graphdef, state_treedef, spec=True,
-                                            batch_invariant=self.batch_invariant)
-            self.spec_carry = self._committed(SpecCarry.empty(ec.max_num_seqs, self.spec_slots))
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
                                         index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
-        self.cache = self._allocate_cache()
-        self.hasher, self.engram_tables = None, None
-        if self.cfg.engram_enabled:
+        self.hasher = None
+        if cfg.engram_enabled:
             tok = os.path.join(model_dir, "tokenizer.json")
-            self.hasher = EngramHasher.from_model_config(self.cfg, tok if os.path.exists(tok) else None)
-            self.engram_tables = jax.device_put(DeviceEngramTables.from_hasher(self.hasher))
+            self.hasher = EngramHasher.from_model_config(cfg, tok if os.path.exists(tok) else None)
         # tokens before each row's start that the scheduler puts in the row (the n-gram look-back)
         self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
         self.num_rows = ec.max_num_seqs
-        self.prev_sampled = self._committed(jnp.zeros((self.num_rows,), jnp.int32))
-        self.compact = ec.yoco_truncation == "compact" and self.cfg.yoco_start_layer < self.cfg.num_hidden_layers
+        self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
         # dispatch_thread: the jitted calls run on their own thread (runner/step_launcher.py)
         self.launcher = StepLauncher() if getattr(ec, "dispatch_thread", False) else None

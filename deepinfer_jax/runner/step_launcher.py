@@ -48,6 +48,3 @@ class StepLauncher:
         last = self._last
         if last is not None:
             concurrent.futures.wait([last])
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
