@@ -7,6 +7,7 @@ DP replicas)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 
@@ -77,21 +78,34 @@ class SchedulerOutput:
     # None = one rank
     ranks: tuple[int, ...] | None = None
 
+    @functools.cached_property
+    def _counts(self) -> tuple[int, int, int]:
+        """(tokens, prompt tokens, decoder tokens) of the step, in one pass over the rows (the
+        rows are not changed once planned)."""
+        total = prefill = decoder = 0
+        for r in self.rows:
+            n = len(r.token_ids)
+            total += n
+            if r.is_prefill:
+                prefill += n
+            decoder += n - min(max(r.dec_floor - r.start, 0), n)  # r.num_decoder_tokens
+        return total, prefill, decoder
+
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        return self._counts[0]
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows if r.is_prefill)
+        return self._counts[1]
 
     @property
     def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
+        return self._counts[0] - self._counts[1]
 
     @property
     def num_decoder_tokens(self) -> int:
-        return sum(r.num_decoder_tokens for r in self.rows)
+        return self._counts[2]
 
     @property
     def num_draft_tokens(self) -> int:

@@ -29,6 +29,9 @@ class RequestState:
     detok: IncrementalDetokenizer | None
     stop: StopChecker | None
     text: str = ""
+    # output tokens whose text is in ``text``: without stop strings the detokenizer runs when
+    # the text is read (one batched push), not once per token and step
+    num_detokenized: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -75,10 +78,11 @@ class OutputProcessor:
             if token not in d:
                 d[token] = Logprob(float(logprob), None, self._decoded(token))
             st.logprobs.append(d)
-        if st.detok is not None:
+        if st.stop is not None:  # stop strings: the text as it grows (st.detok exists with them)
             delta = st.detok.push([token])
             st.text += delta
-            if st.stop is not None and delta and len(req.output_token_ids) >= p.min_tokens:
+            st.num_detokenized = len(req.output_token_ids)
+            if delta and len(req.output_token_ids) >= p.min_tokens:
                 stopped, cut = st.stop.check(st.text, len(delta))
                 if stopped:
                     full = st.text
@@ -95,12 +99,21 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def sync_text(self, st: RequestState) -> None:
+        """Bring ``st.text`` up to the request's output tokens (the batched detokenization)."""
+        ids = st.request.output_token_ids
+        if st.detok is not None and st.num_detokenized < len(ids):
+            st.text += st.detok.push(ids[st.num_detokenized:])
+            st.num_detokenized = len(ids)
+
     def finish_text(self, st: RequestState, status: RequestStatus) -> None:
+        self.sync_text(st)
         if st.detok is not None and status != RequestStatus.FINISHED_STOPPED:
             st.text += st.detok.finish()
 
     def completion(self, st: RequestState) -> CompletionOutput:
         req = st.request
+        self.sync_text(st)
         fr = req.status.value if req.status.finished else None
         metrics = RequestMetrics(
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,

@@ -187,13 +187,15 @@ class Scheduler:
         return SchedulerOutput(step, rows, preempted, hit_tokens, waits)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        planned = req.num_tokens_planned
-        if req.num_computed < planned - 1:  # prefill (or recompute) in progress
-            return min(planned - req.num_computed, budget)
-        if req.num_computed != planned - 1:
+        n_out = len(req.output_token_ids) + req.num_pending  # req.num_outputs_planned
+        planned = len(req.prompt_token_ids) + n_out          # req.num_tokens_planned
+        computed = req.num_computed
+        if computed < planned - 1:  # prefill (or recompute) in progress
+            return min(planned - computed, budget)
+        if computed != planned - 1:
             return 0  # every known token computed; a finishing sample is in flight
         p = req.params
-        if req.num_outputs_planned >= p.max_tokens or planned >= self.max_model_len:
+        if n_out >= p.max_tokens or planned >= self.max_model_len:
             return 0  # the in-flight samples will finish it
         if self.num_draft_tokens and req.num_pending and len(req.output_token_ids) < p.min_tokens:
             return 0  # min_tokens bans need the exact output count: wait for the in-flight row
@@ -267,7 +269,7 @@ class Scheduler:
         return -(-end // self.ec.block_tokens)
 
     def _ensure_blocks(self, req: Request, end: int) -> bool:
-        need = self._blocks_needed(end) - len(req.blocks)
+        need = -(-end // self.ec.block_tokens) - len(req.blocks)  # self._blocks_needed(end), inlined
         if need <= 0:
             return True
         got = self.pool.append(req.request_id, need)
@@ -304,40 +306,61 @@ class Scheduler:
         return n, start
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
-        # (one call per row and step: the request's counts are read once into locals)
+        # (one call per row and step: the request's counts are read once into locals, and the
+        # row's tokens and its Engram look-back come from one slice of the known tokens)
         start = req.num_computed
-        n_prompt = len(req.prompt_token_ids)
-        n_known = n_prompt + len(req.output_token_ids)
+        prompt, outs = req.prompt_token_ids, req.output_token_ids
+        n_prompt = len(prompt)
+        n_out_known = len(outs)
+        n_known = n_prompt + n_out_known
         planned = n_known + req.num_pending
         n_draft = 0
         if n > 1 and start == planned - 1 and req.request_id in self._draft_plan:
             n_draft = n - 1  # a verification row: the newest token, then the drafts
         end = start + n - n_draft  # the row's tokens before its drafts: known, or the last one in flight
         prev_row = -1
-        if end <= n_known:
-            toks = req.known_tokens(start, end)
-        else:
+        end_known = end
+        if end > n_known:
             last = req.last_sample
             if max(start, n_known) != end - 1 or last is None or last[0] != step - 1:
                 raise AssertionError(f"request {req.request_id}: token at {max(start, n_known)} unknown and not "
                                      f"the previous step's sample ({last})")
-            toks = req.known_tokens(start, end - 1)
-            toks.append(-1)
+            end_known = end - 1
             prev_row = last[1]
         spec_ctx = None
+        history = None
+        H = self.history_tokens
         if self.num_draft_tokens and prev_row >= 0:
             # every token of the row comes from the previous step's outputs on the device; for the
             # n-gram hash of its first tokens, the device takes the last history_tokens known
             # tokens and the in-flight row's drafts, of which it keeps the accepted prefix
-            H = self.history_tokens
+            toks = req.known_tokens(start, end_known)
+            toks.append(-1)
             ctx = [-1] * max(H - n_known, 0) + req.known_tokens(max(n_known - H, 0), n_known)
             spec_ctx = ctx + req.draft_token_ids[:req.spec_inflight_drafts]
             toks += [-1] * n_draft
             self.num_device_rows += 1
         else:
-            toks += req.draft_token_ids[:n_draft]
+            lo = max(start - H, 0) if H else start
+            # req.known_tokens(lo, end_known), inlined: the hot path of every row
+            if end_known <= n_prompt:
+                win = prompt[lo:end_known]
+            elif lo >= n_prompt:
+                win = outs[lo - n_prompt:end_known - n_prompt]
+            else:
+                win = prompt[lo:] + outs[:end_known - n_prompt]
+            toks = win[start - lo:] if H else win  # (a copy where win is also the history)
+            if prev_row >= 0:
+                toks.append(-1)
+            if n_draft:
+                drafts = req.draft_token_ids[:n_draft]
+                toks += drafts
+                win = win + drafts
+            if H:
+                history = win
         was_prefill = start < planned - 1
-        req.num_computed += n
+        computed = start + n
+        req.num_computed = computed
         sample = end == planned
         banned: list[int] = []
         ban_slots = 1
@@ -345,21 +368,17 @@ class Scheduler:
             req.num_pending += 1 + n_draft  # optimistic: every draft accepted
             req.spec_inflight_drafts = n_draft
             req.last_sample = (step, row_index)
-            n_out = req.num_outputs_planned - 1 - n_draft  # outputs before the row's first slot
-            if n_out < req.params.min_tokens:
+            n_out = planned - n_prompt  # outputs before the row's first slot
+            min_tokens = req.params.min_tokens
+            if n_out < min_tokens:
                 eos = req.eos_token_id is not None and not req.params.ignore_eos  # as min_tokens_banned_ids
                 banned = ([req.eos_token_id] if eos else []) + list(req.params.stop_token_ids)
-                ban_slots = min(req.params.min_tokens - n_out, 1 + n_draft)
+                ban_slots = min(min_tokens - n_out, 1 + n_draft)
         # also after a preemption: the results of rows of the older epoch are dropped, so the
         # recomputed prompt chunks must deliver their prompt logprobs again
         want_plp = req.params.prompt_logprobs is not None and start < n_prompt - 1
-        targets = req.prompt_token_ids[start + 1:min(start + 1 + n, n_prompt)] if want_plp else None
-        history = None
-        if self.history_tokens and spec_ctx is None:
-            known = n - (1 if prev_row >= 0 else 0)
-            history = req.known_tokens(max(start - self.history_tokens, 0), start + known - n_draft)
-            history += req.draft_token_ids[:n_draft]
-        self._register_blocks(req)
+        targets = prompt[start + 1:min(start + 1 + n, n_prompt)] if want_plp else None
+        self._register_blocks(req, min(computed, n_known))
         floor = req.floor
         # positional, in ScheduledRow's field order (one per row and step: keywords cost more)
         return ScheduledRow(
@@ -375,10 +394,15 @@ class Scheduler:
         for b in range(len(h), req.num_tokens // bt):
             h.append(hash_block_tokens(h[-1] if h else None, req.known_tokens(b * bt, (b + 1) * bt)))
 
-    def _register_blocks(self, req: Request) -> None:
+    def _register_blocks(self, req: Request, filled: int | None = None) -> None:
+        """Hand ``req``'s full blocks to the prefix cache: those whose positions are all computed
+        (scheduled) and known; ``filled`` = ``min(num_computed, num_tokens)`` when the caller
+        has it at hand."""
         if not self.ec.enable_prefix_caching:
             return
-        n_full = min(req.num_computed, req.num_tokens) // self.ec.block_tokens
+        if filled is None:
+            filled = min(req.num_computed, req.num_tokens)
+        n_full = filled // self.ec.block_tokens
         if n_full > req.num_registered_blocks:
             self._update_hashes(req)
             self.pool.cache_full_blocks(req.request_id, req.block_hashes[:n_full])

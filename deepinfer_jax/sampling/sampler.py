@@ -137,7 +137,7 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
     """``build_sampling_batch`` from columns: sampler rows ``row_R`` (ints below ``num_rows``)
     get ``params[i]``, ``seeds[i]``, ``positions[i]`` and ``banned[i]``; every other row is
     padding. Vectorised over rows (the engine builds this every step for up to
-    ``max_num_seqs`` rows): the sampler values are read once per distinct params object."""
+    ``max_num_seqs`` rows): when every row has the same params object, its values are read once."""
     row_R = np.asarray(row_R, np.int64)
     n = row_R.shape[0]
     longest = max(map(len, banned), default=0)
@@ -146,12 +146,14 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
     elif longest > num_banned:
         raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
 
-    # rows share a few params objects: their values once per object, then gathered per row
-    first = dict(zip(map(id, params), params))
-    order = {k: i for i, k in enumerate(first)}
-    which = np.fromiter(map(order.__getitem__, map(id, params)), np.int64, n)
-    vals = np.array([(p.is_greedy, p.temperature, p.top_k, p.top_p, p.min_p) for p in first.values()],
-                    np.float64).reshape(-1, 5)[which]
+    # one params object for every row (the common case): its values once; else a column each
+    p0 = params[0] if n else None
+    if all(p is p0 for p in params):
+        vals = np.array([[p0.is_greedy, p0.temperature, p0.top_k, p0.top_p, p0.min_p]] if n else
+                        np.zeros((0, 5)), np.float64)[np.zeros(n, np.int64)]
+    else:
+        vals = np.stack([np.fromiter((getattr(p, f) for p in params), np.float64, n)
+                         for f in ("is_greedy", "temperature", "top_k", "top_p", "min_p")], axis=1)
     greedy = vals[:, 0] != 0
     temperature = np.zeros(num_rows, np.float32)
     temperature[row_R] = np.where(greedy, 0.0, vals[:, 1])
@@ -163,7 +165,7 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
     min_p = np.zeros(num_rows, np.float32)
     min_p[row_R] = np.where(greedy, 0.0, vals[:, 4])
     try:
-        seed_R = np.fromiter(map(int, seeds), np.uint64, n)  # OverflowError outside [0, 2**64)
+        seed_R = np.fromiter(seeds, np.uint64, n)  # OverflowError outside [0, 2**64)
     except OverflowError:
         for s in seeds:
             split_seed(int(s))  # raises, naming the seed

@@ -133,11 +133,27 @@ class IncrementalDetokenizer:
         return "".join(out)
 
     def _push_bytes(self, new_ids: Iterable[int]) -> str:
-        """``push`` for byte-level tokenizers: the held tokens' bytes, decoded alone."""
+        """``push`` for byte-level tokenizers: the held tokens' bytes, decoded alone.
+
+        Several ids at once whose bytes end with a whole character are decoded in one call: the
+        same text as one token at a time, since after a whole character UTF-8 decoding starts
+        afresh (the token-by-token loop emits exactly where the held bytes end with one)."""
         table, n = self._table, len(self._table)
+        ids = [int(t) for t in new_ids]
+        if len(ids) > 1:
+            parts = [table[t] if 0 <= t < n else b"" for t in ids]
+            held = self._held + b"".join(parts)
+            delta = held.decode("utf-8", "replace")
+            if delta and not delta.endswith(_REPLACEMENT):
+                self.token_ids += ids
+                trailing = 0  # tokens after the last one with bytes (specials): held, as one by one
+                while trailing < len(parts) and not parts[-1 - trailing]:
+                    trailing += 1
+                self._held, self._num_held = b"", trailing
+                self.text += delta
+                return delta
         out: list[str] = []
-        for token_id in new_ids:
-            token_id = int(token_id)
+        for token_id in ids:
             self.token_ids.append(token_id)
             self._held += table[token_id] if 0 <= token_id < n else b""
             self._num_held += 1
