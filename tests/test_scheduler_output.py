@@ -159,3 +159,39 @@ def test_packed_input_round_trips_every_leaf():
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.asarray(g), w)
     assert hash(layout) == hash(pack(tree)[1])  # a static argument: equal layouts hit one compile
+
+
+def test_add_tokens_equals_add_token_one_by_one():
+    """A verification row's emitted tokens applied at once (``OutputProcessor.add_tokens``) end
+    the request exactly where ``add_token`` per token does: at EOS, a stop token id, max_tokens
+    or max_model_len, whichever token comes first, with the same outputs, status and
+    stop_reason. Random rows of 1-6 tokens over a small id range, so stops are frequent."""
+    from deepinfer_jax.engine.output_processor import OutputProcessor
+    from deepinfer_jax.host_scheduler.request import Request
+
+    rng = np.random.default_rng(3)
+    proc = OutputProcessor(None, max_model_len=40)
+    statuses = set()
+    for case in range(600):
+        params = SamplingParams(max_tokens=int(rng.integers(1, 30)), ignore_eos=bool(case % 5 == 0),
+                                stop_token_ids=[int(t) for t in rng.choice(12, int(rng.integers(0, 3)), replace=False)])
+        prompt = list(range(int(rng.integers(1, 20))))
+        done = [int(t) for t in rng.integers(0, 12, int(rng.integers(0, 12)))]
+        states = []
+        for _ in range(2):
+            req = Request("r", prompt, params, seed=0, eos_token_id=7)
+            req.output_token_ids = list(done)
+            states.append(proc.new_state(req, "r", 0))
+        tokens = [int(t) for t in rng.integers(0, 12, int(rng.integers(1, 7)))]
+        lps = [float(x) for x in -rng.random(len(tokens))]
+        n, status = proc.add_tokens(states[0], tokens, lps)
+        ref_status, m = None, 0
+        while ref_status is None and m < len(tokens):
+            ref_status = proc.add_token(states[1], tokens[m], lps[m], None, None)
+            m += 1
+        a, b = states[0].request, states[1].request
+        assert (n, status) == (m, ref_status), (case, tokens, params.stop_token_ids, params.max_tokens)
+        assert a.output_token_ids == b.output_token_ids and a.stop_reason == b.stop_reason
+        assert states[0].cumulative_logprob == states[1].cumulative_logprob
+        statuses.add(status)
+    assert len(statuses) == 3  # running on, stopped and length all occurred

@@ -412,16 +412,17 @@ class LLMEngine:
                     pp.extend([0] * (K - len(pp)))
                     for j in range(a):
                         pp[j] += 1
-                status = None
-                emitted = []
-                lp_j = lp_R[i]
-                for j, t in enumerate(tok_R[i][:a + 1]):  # the accepted drafts, then the correction / bonus
-                    top = (res.top_ids[i, j], res.top_logprobs[i, j]) if st.logprobs is not None else (None, None)
-                    status = self.outputs.add_token(st, t, lp_j[j], *top)
-                    emitted.append(t)
-                    self.stats.generated_tokens += 1
-                    if status is not None:
-                        break
+                # the accepted drafts, then the correction / bonus token
+                if st.logprobs is None:
+                    m, status = self.outputs.add_tokens(st, tok_R[i][:a + 1], lp_R[i])
+                else:
+                    status, m = None, 0
+                    while status is None and m <= a:
+                        status = self.outputs.add_token(st, tok_R[i][m], lp_R[i][m], res.top_ids[i, m],
+                                                        res.top_logprobs[i, m])
+                        m += 1
+                emitted = tok_R[i][:m]
+                self.stats.generated_tokens += m
                 if status is None:  # the next verification row's drafts
                     req.draft_token_ids = dids_R[i]
                     req.draft_confidence = dconf_R[i]

@@ -99,6 +99,43 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def add_tokens(self, st: RequestState, tokens: list[int], logprobs: list[float]) -> tuple[int, RequestStatus | None]:
+        """Append a verification row's emitted tokens in order until one finishes the request;
+        returns (tokens appended, the finishing status or None). The same as ``add_token`` per
+        token; without stop strings, in one pass (no text to check). Requests that want logprobs
+        take ``add_token`` (it needs each token's top-N lists)."""
+        if st.logprobs is not None:
+            raise ValueError(f"request {st.request.request_id!r} wants logprobs: use add_token")
+        if st.stop is not None:
+            for j, t in enumerate(tokens):
+                status = self.add_token(st, t, logprobs[j], None, None)
+                if status is not None:
+                    return j + 1, status
+            return len(tokens), None
+        req, p = st.request, st.request.params
+        outs = req.output_token_ids
+        # the token that reaches max_tokens or max_model_len finishes with "length" unless it stops
+        room = max(1, min(p.max_tokens - len(outs), self.max_model_len - len(req.prompt_token_ids) - len(outs)))
+        eos = req.eos_token_id if not p.ignore_eos else None
+        stops = p.stop_token_ids
+        n, status = min(len(tokens), room), None
+        for j in range(n):
+            t = tokens[j]
+            if t == eos:
+                n, status = j + 1, RequestStatus.FINISHED_STOPPED
+                break
+            if t in stops:
+                n, status = j + 1, RequestStatus.FINISHED_STOPPED
+                req.stop_reason = t
+                break
+        else:
+            if n == room:
+                status = RequestStatus.FINISHED_LENGTH
+        outs += tokens[:n]
+        for x in logprobs[:n]:  # added one by one, as add_token does (the same rounding)
+            st.cumulative_logprob += x
+        return n, status
+
     def sync_text(self, st: RequestState) -> None:
         """Bring ``st.text`` up to the request's output tokens (the batched detokenization)."""
         ids = st.request.output_token_ids
