@@ -47,7 +47,7 @@ _FIELD_TYPES = {
     "prefix_replay_tokens": ("int", None, True),
     "yoco_truncation": ("str", None, False), "yoco_keep_tokens": ("int", 0, False),
     "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
-    "dispatch_thread": ("bool", None, False),
+    "dispatch_thread": ("bool", None, True),
     "token_buckets": ("ints", 1, True), "row_buckets": ("ints", 1, True), "decoder_buckets": ("ints", 1, True),
     "max_logprobs": ("int", 0, False), "seed": ("int", 0, False), "kernels": ("str", None, True),
     "dp": ("int", 1, False), "cp": ("int", 1, False), "cp_min_tokens": ("int", 1, True),
@@ -92,8 +92,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # the jitted call of each step runs on a runner thread (runner/step_launcher.py): the call's
     # own host time (argument handling, the launch of the step's kernels) overlaps the engine's
-    # planning and result processing instead of adding to them. Tokens are the same either way
-    dispatch_thread: bool = False
+    # planning and result processing instead of adding to them. Tokens are the same either way.
+    # None: on where the step runs on an accelerator (the launch is worth overlapping), off on CPU
+    dispatch_thread: bool | None = None
     # padded step sizes; default: powers of 2 from 16 up to max_num_batched_tokens, or on CPU
     # (where compiling dominates) the single size max_num_batched_tokens
     token_buckets: tuple[int, ...] | None = None
@@ -162,7 +163,7 @@ class EngineConfig:
                 continue
             if kind == "bool":
                 if not isinstance(v, bool):
-                    self._bad(f, "must be a bool (True or False)")
+                    self._bad(f, "must be a bool (True or False)" + (" or None" if optional else ""))
             elif kind == "str":
                 if not isinstance(v, str):
                     self._bad(f, "must be a string" + (" or None" if optional else ""))
@@ -248,7 +249,8 @@ class EngineConfig:
 
             env = os.environ.get(BATCH_INVARIANT_ALIAS)
             inv = env is not None and _env_flag(BATCH_INVARIANT_ALIAS, env)
-        return dataclasses.replace(self, batch_invariant=inv, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
+        thread = self.dispatch_thread if self.dispatch_thread is not None else platform not in (None, "cpu")
+        return dataclasses.replace(self, batch_invariant=inv, dispatch_thread=thread, block_tokens=bt, max_model_len=max_len, num_blocks=num_blocks,
                                    enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec, spec_decode=spec, num_draft_tokens=n_draft,

@@ -58,3 +58,17 @@ def test_good_values_still_resolve():
     ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[32, 64],
                       row_buckets=(2, 4), max_model_len=256, max_logprobs=256, seed=2**40).resolve(CFG)
     assert ec.token_buckets == (32, 64) and ec.row_buckets == (2, 4) and ec.max_model_len == 256
+
+
+def test_dispatch_thread_default_follows_the_platform():
+    """Unset, the jitted calls go to the launcher thread on an accelerator (where launching the
+    step's kernels is worth overlapping) and stay on the engine's thread on CPU; a given value
+    is kept on either; a non-bool is refused by name."""
+    assert EngineConfig().resolve(CFG, "gpu").dispatch_thread is True
+    assert EngineConfig().resolve(CFG, "tpu").dispatch_thread is True
+    assert EngineConfig().resolve(CFG, "cpu").dispatch_thread is False
+    assert EngineConfig().resolve(CFG).dispatch_thread is False
+    assert EngineConfig(dispatch_thread=False).resolve(CFG, "gpu").dispatch_thread is False
+    assert EngineConfig(dispatch_thread=True).resolve(CFG, "cpu").dispatch_thread is True
+    with pytest.raises(ValueError, match=r"^EngineConfig\.dispatch_thread='yes': must be a bool \(True or False\) or None"):
+        EngineConfig(dispatch_thread="yes").resolve(CFG)
