@@ -15,6 +15,12 @@ Modes (``--modes``, comma-separated): ``async`` and ``sync`` scheduling, each op
 the "call" column is then the hand-over, and the launcher's own call time is in parentheses).
 The table's last line says whether every mode produced the same tokens.
 
+``--trace-idle MODE`` (e.g. ``async+thread``) then runs the workload once more in that mode, with
+twice the output tokens, and traces ``--trace-steps`` steps once no prompt token is left
+(decode only) with ``jax.profiler``: the device's idle fraction over them, the traced span less
+the union of its kernels (``scripts/step_profile.py``), written to the JSON as ``decode_idle``.
+The profiler's own host work makes this an upper bound of the untraced idle time.
+
 Random weights: the tokens are meaningless, the work per token is the real model's.
 """
 
@@ -42,6 +48,46 @@ def workload(n: int, input_len: int, output_len: int, spread: float, shared_pref
     return prompts
 
 
+def traced_decode_idle(engine, prompts, sp, steps: int) -> dict:
+    """Run ``prompts`` on ``engine`` step by step; once a processed step had no prompt token and
+    nothing waits, trace the next ``steps`` steps with ``jax.profiler`` and return
+    ``step_profile.breakdown`` of their kernels (plus the rows of the first and last traced
+    step); the rest of the run finishes untraced."""
+    import glob
+    import tempfile
+
+    import jax
+
+    import step_profile
+
+    engine.add_requests([(f"trace{i}", p, sp) for i, p in enumerate(prompts)])
+    sched = engine.scheduler
+    while engine.has_unfinished_requests():
+        engine.step()
+        last = engine.stats.steps[-1] if engine.stats.steps else None
+        if last is not None and last.num_prefill_tokens == 0 and not sched.waiting:
+            break
+    logdir = tempfile.mkdtemp(prefix="bench_offline_trace_")
+    first = len(engine.stats.steps)
+    with jax.profiler.trace(logdir):
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        engine.runner.drain()
+        jax.effects_barrier()
+    traced = engine.stats.steps[first:]
+    while engine.has_unfinished_requests():
+        engine.step()
+    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not paths or not traced:
+        return dict(step_profile.breakdown([], steps=0), rows_first=None, rows_last=None)
+    out = step_profile.breakdown(step_profile.kernel_events(paths[-1]), steps=len(traced))
+    out.update(rows_first=traced[0].num_rows, rows_last=traced[-1].num_rows,
+               prefill_tokens=sum(s.num_prefill_tokens for s in traced))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="v41-tiny")
@@ -54,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="{}", help="JSON of EngineConfig fields")
     ap.add_argument("--modes", default="async,sync")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace-idle", default=None, metavar="MODE",
+                    help="trace decode-only steps in this mode and report the device's idle fraction")
+    ap.add_argument("--trace-steps", type=int, default=20)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline_<platform>.json)")
     args = ap.parse_args(argv)
 
@@ -75,16 +124,22 @@ def main(argv=None) -> int:
 
     from deepinfer_jax.runner.step_launcher import StepLauncher
 
-    rows, per_mode = [], {}
-    for mode in args.modes.split(","):
+    def use_mode(mode: str, flag: str = "--modes") -> None:
         sched_mode, _, thread = mode.partition("+")
         if sched_mode not in ("async", "sync") or thread not in ("", "thread"):
-            raise SystemExit(f"--modes: {mode!r}: expected async or sync, optionally +thread")
+            raise SystemExit(f"{flag}: {mode!r}: expected async or sync, optionally +thread")
         # +thread: the jitted calls on the runner's launcher thread (EngineConfig.dispatch_thread)
+        llm.runner.drain()
         llm.runner.launcher = StepLauncher() if thread else None
         llm.engine = LLMEngine(llm.runner, dataclasses.replace(ec, async_scheduling=(sched_mode == "async"),
                                                                dispatch_thread=bool(thread)),
                                llm.tokenizer, llm.model_config.eos_token_id)
+
+    if args.trace_idle is not None:
+        use_mode(args.trace_idle, "--trace-idle")  # checked before the timed runs
+    rows, per_mode = [], {}
+    for mode in args.modes.split(","):
+        use_mode(mode)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         s = llm.stats.summary()
         s["mode"] = mode
@@ -110,6 +165,16 @@ def main(argv=None) -> int:
               + " / ".join(f"{1e3 * v:.2f}" for v in r["host_breakdown_mean_s"].values())
               + (f" ({1e3 * r['launch_mean_s']:.2f})" if r["launch_mean_s"] else ""))
     print(f"same output tokens in every mode: {same}")
+    idle = None
+    if args.trace_idle is not None:
+        use_mode(args.trace_idle, "--trace-idle")
+        sp2 = SamplingParams(temperature=args.temperature, max_tokens=2 * args.output_len, ignore_eos=True,
+                             seed=args.seed)
+        idle = traced_decode_idle(llm.engine, prompts, sp2, args.trace_steps)
+        print(f"{args.trace_idle}: device idle {100 * idle['idle_fraction']:.1f}% of {idle['steps']} traced "
+              f"decode-only steps ({idle['rows_first']}-{idle['rows_last']} rows; span {idle['span_ms']:.2f} ms, "
+              f"kernels busy {idle['busy_ms']:.2f} ms per step)" if idle["idle_fraction"] is not None
+              else f"{args.trace_idle}: no decode-only step to trace")
     out = args.out or os.path.join("benchmarks", "results", f"offline_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -119,7 +184,7 @@ def main(argv=None) -> int:
             "jax": jax.__version__, "model": llm.model_dir, "args": vars(args),
             "engine_config": {k: v for k, v in dataclasses.asdict(ec).items()},
             "init_and_compile_s": init_s, "compile_s": llm.compile_time_s,
-            "table": rows, "per_mode": per_mode,
+            "table": rows, "per_mode": per_mode, "decode_idle": idle,
         }, f, indent=1, default=str)
     print(f"wrote {out}")
     return 0
