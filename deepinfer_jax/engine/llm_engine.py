@@ -404,13 +404,13 @@ class LLMEngine:
                     spec_rows += 1
                     verified += row.num_drafts
                     accepted += a
-                    for j in range(a):
-                        acc_pos[j] += 1
                     req.num_drafts_verified += row.num_drafts
                     req.num_drafts_accepted += a
                     pp = req.drafts_accepted_per_position
-                    pp.extend([0] * (K - len(pp)))
+                    if len(pp) < K:
+                        pp.extend([0] * (K - len(pp)))
                     for j in range(a):
+                        acc_pos[j] += 1
                         pp[j] += 1
                 # the accepted drafts, then the correction / bonus token
                 if st.logprobs is None:
@@ -421,15 +421,14 @@ class LLMEngine:
                         status = self.outputs.add_token(st, tok_R[i][m], lp_R[i][m], res.top_ids[i, m],
                                                         res.top_logprobs[i, m])
                         m += 1
-                emitted = tok_R[i][:m]
                 self.stats.generated_tokens += m
                 if status is None:  # the next verification row's drafts
                     req.draft_token_ids = dids_R[i]
                     req.draft_confidence = dconf_R[i]
                     req.num_drafts_proposed += len(req.draft_token_ids)
                     proposed += len(req.draft_token_ids)
-                g_status = self._advance_grammar(req, emitted) if status is None else None
-                status = status or g_status
+                    if self._grammars:
+                        status = self._advance_grammar(req, tok_R[i][:m])
             else:
                 top = (res.top_ids[i], res.top_logprobs[i]) if st.logprobs is not None else (None, None)
                 status = self.outputs.add_token(st, tok_R[i], lp_R[i], *top)
