@@ -88,7 +88,7 @@ class SchedulerOutput:
             total += n
             if r.is_prefill:
                 prefill += n
-            decoder += n - min(max(r.dec_floor - r.start, 0), n)  # r.num_decoder_tokens
+            decoder += r.num_decoder_tokens
         return total, prefill, decoder
 
     @property

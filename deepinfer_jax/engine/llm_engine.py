@@ -413,14 +413,8 @@ class LLMEngine:
                         acc_pos[j] += 1
                         pp[j] += 1
                 # the accepted drafts, then the correction / bonus token
-                if st.logprobs is None:
-                    m, status = self.outputs.add_tokens(st, tok_R[i][:a + 1], lp_R[i])
-                else:
-                    status, m = None, 0
-                    while status is None and m <= a:
-                        status = self.outputs.add_token(st, tok_R[i][m], lp_R[i][m], res.top_ids[i, m],
-                                                        res.top_logprobs[i, m])
-                        m += 1
+                m, status = self.outputs.add_tokens(st, tok_R[i][:a + 1], lp_R[i], res.top_ids[i],
+                                                    res.top_logprobs[i])
                 self.stats.generated_tokens += m
                 if status is None:  # the next verification row's drafts
                     req.draft_token_ids = dids_R[i]

@@ -99,16 +99,16 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def add_tokens(self, st: RequestState, tokens: list[int], logprobs: list[float]) -> tuple[int, RequestStatus | None]:
+    def add_tokens(self, st: RequestState, tokens: list[int], logprobs: list[float], top_ids=None,
+                   top_lps=None) -> tuple[int, RequestStatus | None]:
         """Append a verification row's emitted tokens in order until one finishes the request;
         returns (tokens appended, the finishing status or None). The same as ``add_token`` per
-        token; without stop strings, in one pass (no text to check). Requests that want logprobs
-        take ``add_token`` (it needs each token's top-N lists)."""
-        if st.logprobs is not None:
-            raise ValueError(f"request {st.request.request_id!r} wants logprobs: use add_token")
-        if st.stop is not None:
+        token (which requests with stop strings or logprobs take, ``top_ids[j]`` /
+        ``top_lps[j]`` being token j's top-N lists); otherwise in one pass."""
+        if st.stop is not None or st.logprobs is not None:
             for j, t in enumerate(tokens):
-                status = self.add_token(st, t, logprobs[j], None, None)
+                top = (top_ids[j], top_lps[j]) if st.logprobs is not None else (None, None)
+                status = self.add_token(st, t, logprobs[j], *top)
                 if status is not None:
                     return j + 1, status
             return len(tokens), None

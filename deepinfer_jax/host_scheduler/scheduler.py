@@ -269,7 +269,7 @@ class Scheduler:
         return -(-end // self.ec.block_tokens)
 
     def _ensure_blocks(self, req: Request, end: int) -> bool:
-        need = -(-end // self.ec.block_tokens) - len(req.blocks)  # self._blocks_needed(end), inlined
+        need = self._blocks_needed(end) - len(req.blocks)
         if need <= 0:
             return True
         got = self.pool.append(req.request_id, need)
