@@ -56,7 +56,7 @@ _FIELD_TYPES = {
     "precompile": ("bool", None, False),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
-    "spec_calibration": ("bool", None, False),
+    "spec_calibration": ("bool", None, False), "spec_plain_steps": ("bool", None, True),
     "batch_invariant": ("bool", None, True),
 }
 
@@ -150,6 +150,11 @@ class EngineConfig:
     # (the paper's STS, host_scheduler/spec_calibration.py) rescale the confidences Algorithm 1
     # ranks; the drafts and the output are unchanged, only the verification lengths
     spec_calibration: bool = False
+    # varlen only: when verifying drafts does not pay for itself (a large batch, a low
+    # acceptance), run steps without speculation at all: one row token, no drafting, no
+    # rollback (host_scheduler/spec_switch.py). Compiles a second set of step variants. None:
+    # on with spec_varlen on one attention-DP rank (dp=1), else off
+    spec_plain_steps: bool | None = None
 
     def _bad(self, field: str, why: str):
         raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
@@ -243,6 +248,7 @@ class EngineConfig:
         if dec[0] < 1:
             self._bad("decoder_buckets", "sizes must be >= 1")
         spec, n_draft, varlen = self._resolve_spec(cfg)
+        plain = self._resolve_plain_steps(spec, varlen)
         inv = self.batch_invariant
         if inv is None:
             import os
@@ -254,7 +260,19 @@ class EngineConfig:
                                    enable_prefix_caching=caching,
                                    prefix_replay_tokens=replay, token_buckets=buckets, row_buckets=rows,
                                    decoder_buckets=dec, spec_decode=spec, num_draft_tokens=n_draft,
-                                   spec_varlen=varlen)
+                                   spec_varlen=varlen, spec_plain_steps=plain)
+
+    def _resolve_plain_steps(self, spec: str, varlen: bool) -> bool:
+        plain = self.spec_plain_steps
+        if plain is None:
+            return spec == "dspark" and varlen and self.dp == 1
+        if plain and (spec == "off" or not varlen):
+            self._bad("spec_plain_steps", "chooses between verification and plain steps for varlen verification: "
+                                          "needs spec_decode='dspark' and spec_varlen=True")
+        if plain and self.dp > 1:
+            self._bad("spec_plain_steps", f"every attention-DP rank runs the same step program: not with dp={self.dp} "
+                                          "(each rank plans its own drafts)")
+        return plain
 
     def _resolve_spec(self, cfg) -> tuple[str, int, bool]:
         import os

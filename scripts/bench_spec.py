@@ -19,7 +19,10 @@ tau = 1 + n*A in expectation; the tokens are not the model's), for random-weight
 Token buckets per engine: C, 2C, ..., (K+1)C and the prefill chunk size, so no-speculation
 decode steps are not padded to verification sizes. Fixed length and varlen share one engine (the
 same jitted step; the fixed rows are Algorithm 1 switched off in its scheduler), so a concurrency
-compiles two engines, not three; ``init_and_compile_s`` is 0 for the mode that reuses it.
+compiles two engines, not three; ``init_and_compile_s`` is 0 for the mode that reuses it. That
+engine also compiles plain steps (``spec_plain_steps``, on with varlen), which only varlen runs:
+the table's ``plain steps`` column counts them. ``--engine '{"spec_plain_steps": false}'``
+measures varlen without them.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
               f"model {model}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
               f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
         say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
-              f"{'drafts/row':>10} {'varlen/fixed':>13}")
+              f"{'drafts/row':>10} {'plain steps':>11} {'varlen/fixed':>13}")
         for r in rows:
             none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
             vs = r["generated_tokens_per_s"] / none["generated_tokens_per_s"] if none else float("nan")
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
             r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
             say(f"{r['concurrency']:5d} {r['mode']:7} {r['generated_tokens_per_s']:10.1f} {vs:8.2f} "
                   f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
-                  f"{per_row:10.2f} {vf:13.3f}")
+                  f"{per_row:10.2f} {r.get('spec_plain_steps', 0):11d} {vf:13.3f}")
         out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
             if prof is not None:
                 rows[-1]["cprofile_hottest"] = hottest(prof, args.cprofile, s["steps"])
             print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s, {s['steps']} steps, "
-                  f"tau {s['mean_accepted_length'] or 1.0:.2f}", flush=True)
+                  f"tau {s['mean_accepted_length'] or 1.0:.2f}, {s['spec_plain_steps']} plain steps", flush=True)
             report(final=False)  # the JSON so far, in case a time limit stops the run
 
     report(final=True)

@@ -66,7 +66,7 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
     llm.generate([[5, 6, 7, 8]] * 3, _sampling(max_tokens=8), use_tqdm=False)
     late = [s for k, s in events[n0:] if k == "backend_s"]
     rec = {"config": config, "start_s": round(start_s, 2), "warmup_s": round(llm.compile_time_s, 2),
-           "variants": len(llm.runner.variants()),
+           "variants": len(llm.runner.variants()) * len(llm.runner.step_kinds()),
            "compiles_over_1s": sum(s > 1.0 for s in backend), "longest_compile_s": round(max(backend, default=0.0), 2),
            "generate_compiles_over_1s": sum(s > 1.0 for s in late)}
     for phase in PHASES.values():

@@ -21,8 +21,13 @@ length l_r in 0..K; the step runs B = R + sum(l_r) tokens in ``seconds(B)`` (the
 interpolated piecewise linearly, extrapolated linearly) and emits sum(1 + min(A_r, l_r)) tokens,
 A_r the observed accepted drafts of the event.  Strategies: ``none`` (l = 0), ``fixed-L``
 (L = 1..K), ``varlen`` (``plan_varlen`` on the event's ``pred_cum``), ``varlen-async``
-(``plan_varlen_async``: budget from the step two earlier, split by the current ``pred_cum``).
-Throughput = emitted tokens / simulated seconds, per rank.
+(``plan_varlen_async``: budget from the step two earlier, split by the current ``pred_cum``),
+``varlen+plain`` (varlen, and plain steps where verification does not pay: the engine's
+``spec_switch.DraftSwitch`` on ``AcceptanceRates`` of the simulated verifications; a plain step
+has no drafts for the step after it). ``--verify-overhead-ms X`` adds X ms to every verification
+step, drafts or not (the K + 1 logits rows per row, the undo log and the drafting that a plain
+step does not do; 0 by default, where a verification step with no drafts costs what a plain
+step does). Throughput = emitted tokens / simulated seconds, per rank.
 
 Writes ``--out-dir``/dspark_sim_<trace>_<curve>.json and .png (matplotlib, imported lazily).
 """
@@ -38,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from deepinfer_jax.host_scheduler.spec_switch import AcceptanceRates, DraftSwitch  # noqa: E402
 from deepinfer_jax.host_scheduler.spec_varlen import (  # noqa: E402
     ForwardRuntimeEstimator,
     plan_varlen,
@@ -104,34 +110,55 @@ def load_curve(args) -> tuple[ForwardRuntimeEstimator, str, dict]:
 # ----------------------------------------------------------------------------- the simulation
 
 
-def simulate(trace: dict, curve: ForwardRuntimeEstimator, seqs: int, steps: int, rng) -> dict:
-    """Throughput of every strategy at ``seqs`` rows per step; returns {strategy: stats}."""
+def simulate(trace: dict, curve: ForwardRuntimeEstimator, seqs: int, steps: int, rng,
+             verify_overhead_s: float = 0.0) -> dict:
+    """Throughput of every strategy at ``seqs`` rows per step; returns {strategy: stats}.
+    ``verify_overhead_s``: what a verification step costs beyond a plain step of its tokens."""
     pred, acc = trace["pred_cum"], trace["accepted"]
     K = pred.shape[1]
-    strategies = ["none"] + [f"fixed-{L}" for L in range(1, K + 1)] + ["varlen", "varlen-async"]
-    tot = {s: dict(tokens=0.0, seconds=0.0, verified=0.0, accepted=0.0) for s in strategies}
+    strategies = ["none"] + [f"fixed-{L}" for L in range(1, K + 1)] + ["varlen", "varlen-async", "varlen+plain"]
+    tot = {s: dict(tokens=0.0, seconds=0.0, verified=0.0, accepted=0.0, plain=0) for s in strategies}
     history = []  # pred_cum of earlier steps (for the async budget)
-    sps = curve.sps
+    ovh = verify_overhead_s
+
+    def sps(B):  # a verification step's rate
+        return 1.0 / (curve.seconds(B) + ovh)
+
+    switch, rates, drafted = DraftSwitch(), AcceptanceRates(K), True
     for _ in range(steps):
         idx = rng.integers(0, len(acc), size=seqs)
         p, a = pred[idx], acc[idx]
         history.append(p)
         for s in strategies:
+            plain = s == "none"
             if s == "none":
                 lengths = np.zeros(seqs, dtype=np.int64)
             elif s.startswith("fixed-"):
                 lengths = np.full(seqs, int(s.split("-")[1]), dtype=np.int64)
             elif s == "varlen":
                 lengths = plan_varlen(p, sps, cumulative=True)
-            else:
+            elif s == "varlen-async":
                 old = history[-3] if len(history) >= 3 else p  # two steps back (the first steps: current)
                 lengths = plan_varlen_async(p, old, sps, cumulative=True)
+            else:  # varlen+plain: the engine's choice (host_scheduler/spec_switch.py)
+                conf = p if drafted else np.tile(np.cumprod(rates.rates()), (seqs, 1))
+                lengths = plan_varlen(conf, sps, cumulative=True)
+                verified = np.arange(K)[None, :] < lengths[:, None]
+                theta_spec = (seqs + float((conf * verified).sum())) * sps(seqs + int(lengths.sum()))
+                plain = switch.choose(seqs, drafted, theta_spec, seqs / curve.seconds(seqs))
+                if plain or not drafted:
+                    lengths = np.zeros(seqs, dtype=np.int64)  # plain, or drafting with nothing to verify
+                drafted = not plain
             got = np.minimum(a, lengths)
+            if s == "varlen+plain":
+                for n, g in zip(lengths.tolist(), got.tolist()):
+                    rates.observe(n, g)
             t = tot[s]
             t["tokens"] += float((1 + got).sum())
-            t["seconds"] += curve.seconds(seqs + int(lengths.sum()))
+            t["seconds"] += curve.seconds(seqs + int(lengths.sum())) + (0.0 if plain else ovh)
             t["verified"] += float(lengths.sum())
             t["accepted"] += float(got.sum())
+            t["plain"] += int(plain and s != "none")
         if len(history) > 3:
             history.pop(0)
     base = tot["none"]["tokens"] / tot["none"]["seconds"]
@@ -140,22 +167,23 @@ def simulate(trace: dict, curve: ForwardRuntimeEstimator, seqs: int, steps: int,
         n = steps * seqs
         tps = t["tokens"] / t["seconds"]
         out[s] = dict(tokens_per_s=tps, vs_none=tps / base, mean_verify_len=t["verified"] / n,
-                      mean_accepted=t["accepted"] / n, step_ms=1e3 * t["seconds"] / steps)
+                      mean_accepted=t["accepted"] / n, step_ms=1e3 * t["seconds"] / steps,
+                      plain_steps=t["plain"] / steps)
     best_fixed = max((s for s in strategies if s.startswith("fixed-")), key=lambda s: out[s]["tokens_per_s"])
-    for s in ("varlen", "varlen-async"):
+    for s in ("varlen", "varlen-async", "varlen+plain"):
         out[s]["vs_fixed_max"] = out[s]["tokens_per_s"] / out[f"fixed-{K}"]["tokens_per_s"]
         out[s]["vs_best_fixed"] = out[s]["tokens_per_s"] / out[best_fixed]["tokens_per_s"]
     out["_best_fixed"] = best_fixed
     return out
 
 
-def run(trace_path, curve, seqs_list, steps, seed, summary_pred="pred") -> dict:
+def run(trace_path, curve, seqs_list, steps, seed, summary_pred="pred", verify_overhead_s: float = 0.0) -> dict:
     traces = load_trace(trace_path, summary_pred)
     rows = []
     for tr in traces:
         for seqs in seqs_list:
             rng = np.random.default_rng([seed, seqs])
-            res = simulate(tr, curve, seqs, steps, rng)
+            res = simulate(tr, curve, seqs, steps, rng, verify_overhead_s)
             rows.append(dict(temperature=tr["temperature"], seqs_per_rank=seqs, mode=tr["mode"],
                              verifications=int(len(tr["accepted"])), best_fixed=res.pop("_best_fixed"),
                              strategies=res))
@@ -173,7 +201,7 @@ def format_table(rows) -> str:
     lines.append("")
     lines.append(f"{'temp':>5} {'seqs':>5} {'best fixed':>10} {'varlen len':>10} {'varlen acc':>10} "
                  f"{'fixedK len':>10} {'fixedK acc':>10} {'varlen/fixedK':>13} {'varlen/best':>11} "
-                 f"{'async/fixedK':>12}")
+                 f"{'async/fixedK':>12} {'+plain/none':>11} {'plain share':>11}")
     K = max(int(s.split("-")[1]) for s in strategies if s.startswith("fixed-"))
     for r in rows:
         s = r["strategies"]
@@ -181,7 +209,8 @@ def format_table(rows) -> str:
                      f"{s['varlen']['mean_verify_len']:10.2f} {s['varlen']['mean_accepted']:10.2f} "
                      f"{s[f'fixed-{K}']['mean_verify_len']:10.2f} {s[f'fixed-{K}']['mean_accepted']:10.2f} "
                      f"{s['varlen']['vs_fixed_max'] - 1:+12.1%} {s['varlen']['vs_best_fixed'] - 1:+10.1%} "
-                     f"{s['varlen-async']['vs_fixed_max'] - 1:+11.1%}")
+                     f"{s['varlen-async']['vs_fixed_max'] - 1:+11.1%} "
+                     f"{s['varlen+plain']['vs_none']:11.2f} {s['varlen+plain']['plain_steps']:11.0%}")
     return "\n".join(lines)
 
 
@@ -201,6 +230,7 @@ def plot(result, path) -> bool:
         seqs = [r["seqs_per_rank"] for r in rs]
         for s in rs[0]["strategies"]:
             style = (dict(lw=3) if s == "varlen" else dict(lw=1.5, ls=":", color="black") if s == "varlen-async"
+                     else dict(lw=2, ls="-.", color="tab:red") if s == "varlen+plain"
                      else dict(lw=1, ls="--" if s == "none" else "-"))
             ax.plot(seqs, [r["strategies"][s]["vs_none"] for r in rs], marker="o", label=s, **style)
         ax.set_xscale("log")
@@ -230,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[16, 60, 96, 256], help="sequences per rank")
     ap.add_argument("--steps", type=int, default=400, help="simulated steps per point")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify-overhead-ms", type=float, default=0.0,
+                    help="what a verification step costs beyond a plain step of its tokens (ms)")
     ap.add_argument("--summary-pred", choices=["pred", "obs"], default="pred",
                     help="summary-only traces: every row predicts mean_pred_cum or mean_obs_cum")
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -240,9 +272,12 @@ def main(argv=None) -> int:
     curve, curve_name, curve_meta = load_curve(args)
     trace_dir = os.path.basename(os.path.dirname(os.path.abspath(args.trace)))
     trace_name = trace_dir or os.path.splitext(os.path.basename(args.trace))[0]
-    result = run(args.trace, curve, args.seqs, args.steps, args.seed, args.summary_pred)
+    if args.verify_overhead_ms < 0:
+        ap.error(f"--verify-overhead-ms: {args.verify_overhead_ms} is negative")
+    result = run(args.trace, curve, args.seqs, args.steps, args.seed, args.summary_pred, args.verify_overhead_ms / 1e3)
     result["meta"] = dict(trace=os.path.relpath(args.trace), trace_name=trace_name, curve_name=curve_name,
                           curve=curve_meta, steps=args.steps, seed=args.seed, seqs=args.seqs,
+                          verify_overhead_ms=args.verify_overhead_ms,
                           summary_pred=args.summary_pred, deepseek_note=DEEPSEEK_NOTE)
     modes = sorted({r["mode"] for r in result["rows"]})
     print(f"trace {args.trace} ({'; '.join(modes)}), SPS curve {curve_name}"
@@ -252,7 +287,8 @@ def main(argv=None) -> int:
               "information here, only the mean prediction.")
     print(format_table(result["rows"]))
     print(DEEPSEEK_NOTE)
-    stem = args.name or f"dspark_sim_{trace_name}_{curve_name}"
+    stem = args.name or (f"dspark_sim_{trace_name}_{curve_name}"
+                         + (f"_verify{args.verify_overhead_ms:g}ms" if args.verify_overhead_ms else ""))
     os.makedirs(args.out_dir, exist_ok=True)
     jpath = os.path.join(args.out_dir, stem + ".json")
     with open(jpath, "w") as f:

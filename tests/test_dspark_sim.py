@@ -77,7 +77,8 @@ def test_summary_trace_and_main(tmp_path):
                      "--out-dir", str(out_dir)]) == 0
     j = json.loads((out_dir / "dspark_sim_run_linear_10ms_0.05ms.json").read_text())
     assert [r["seqs_per_rank"] for r in j["rows"]] == [4, 16]
-    assert set(j["rows"][0]["strategies"]) == {"none", "fixed-1", "fixed-2", "fixed-3", "varlen", "varlen-async"}
+    assert set(j["rows"][0]["strategies"]) == {"none", "fixed-1", "fixed-2", "fixed-3", "varlen", "varlen-async",
+                                                 "varlen+plain"}
     assert "NOT reproduced" in j["meta"]["deepseek_note"]
     assert j["meta"]["curve"]["modelled"]
     try:
@@ -92,3 +93,25 @@ def test_default_curve_is_labelled_modelled():
     assert c["modelled"] is True and "MODELLED" in c["note"]
     est, name, meta = sim.load_curve(SimpleNamespace(sps_linear=None, sps=None))
     assert est.seconds(64) == pytest.approx((c["fixed_ms"] + 64 * c["per_token_ms"]) / 1e3, rel=1e-6)
+
+
+@pytest.mark.parametrize("overhead_ms", [0.0, 8.0])
+def test_plain_steps_keep_varlen_at_or_above_no_speculation(tmp_path, overhead_ms):
+    """A verification step that costs ``overhead_ms`` more than a plain step, drafts or not
+    (a small target, a launch-bound GPU): at 64 rows with modest acceptance every verifying
+    strategy falls below no speculation, and varlen with plain steps does not (it runs plain
+    steps, probing now and then). Without that overhead it matches varlen."""
+    rng = np.random.default_rng(3)
+    K, N = 4, 400
+    c = rng.uniform(0.2, 0.6, size=(N, K))
+    ok = rng.random((N, K)) < c
+    obs = np.cumprod(ok, axis=1)
+    trace = sim.load_trace(write_trace(tmp_path / "t.json", np.cumprod(c, axis=1), obs))[0]
+    out = sim.simulate(trace, linear(10.0, 0.05), 64, steps=200, rng=np.random.default_rng(4),
+                       verify_overhead_s=overhead_ms / 1e3)
+    plain = out["varlen+plain"]
+    if overhead_ms:
+        assert out["varlen"]["vs_none"] < 0.9 and max(out[f"fixed-{L}"]["vs_none"] for L in range(1, K + 1)) < 0.9
+        assert plain["vs_none"] > 0.97 and plain["plain_steps"] > 0.9
+    else:
+        assert plain["vs_none"] > 1.0 and plain["tokens_per_s"] == pytest.approx(out["varlen"]["tokens_per_s"], rel=0.03)

@@ -235,6 +235,17 @@ def test_spec_config_errors_and_aliases(monkeypatch):
         EngineConfig(spec_decode="dspark", spec_varlen=False, spec_calibration=True).resolve(cfg)
     with pytest.raises(ValueError, match="spec_calibration=1: must be a bool"):
         EngineConfig(spec_decode="dspark", spec_calibration=1).resolve(cfg)
+    # plain steps: on with varlen on one attention-DP rank, off otherwise; refused where they cannot run
+    assert ec.spec_plain_steps is True
+    assert EngineConfig(spec_decode="dspark", spec_varlen=False).resolve(cfg).spec_plain_steps is False
+    assert EngineConfig(spec_decode="dspark", spec_plain_steps=False).resolve(cfg).spec_plain_steps is False
+    assert EngineConfig().resolve(cfg).spec_plain_steps is False
+    with pytest.raises(ValueError, match="spec_plain_steps=True: chooses between verification and plain steps"):
+        EngineConfig(spec_decode="dspark", spec_varlen=False, spec_plain_steps=True).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_plain_steps=True: every attention-DP rank runs the same step program"):
+        EngineConfig(spec_decode="dspark", spec_plain_steps=True, dp=2).resolve(cfg)
+    with pytest.raises(ValueError, match="spec_plain_steps='yes': must be a bool"):
+        EngineConfig(spec_decode="dspark", spec_plain_steps="yes").resolve(cfg)
     with pytest.raises(ValueError, match="spec_rule='always'"):
         EngineConfig(spec_decode="dspark", spec_rule="always").resolve(cfg)
     no_stages = dataclasses.replace(preset("v41-tiny"), dspark_block_size=0)
@@ -286,3 +297,87 @@ def test_logprobs_prompt_logprobs_and_n_with_speculation(prompts, plain, spec_fi
         for dx, dy in zip(px, py):
             assert dx.keys() == dy.keys()
             np.testing.assert_allclose([v.logprob for v in dx.values()], [v.logprob for v in dy.values()], atol=1e-4)
+
+
+class PatternSwitch:
+    """A ``DraftSwitch`` stand-in that makes steps plain by a fixed pattern (whatever the costs)."""
+
+    def __init__(self, pattern):
+        self.pattern, self.i, self.plain = pattern, 0, False
+
+    def choose(self, decoding_rows, have_drafts, theta_spec, theta_plain):
+        self.plain = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return self.plain
+
+
+def with_switch(llm, switch, verify_seconds=1.0, plain_seconds=1.0):
+    """Plain steps on an engine built without start-up profiling: ``switch`` decides, and the
+    planner's step rates are the given constants."""
+    sch = llm.engine.scheduler
+    sch.spec_switch = switch
+    sch.spec_sps = lambda B: 1.0 / verify_seconds
+    sch.spec_plain_sps = lambda B: 1.0 / plain_seconds
+    return llm
+
+
+# verification and plain steps in every order: a plain step after a verification step (its rows'
+# last tokens and positions come from that step's accept counts on the device), a verification
+# step after a plain one (no drafts at hand: it drafts for the next), plain after plain
+PATTERN = (False, False, True, False, True, True, False)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_plain_steps_between_verification_steps_keep_greedy_output(prompts, plain_preempt, async_scheduling):
+    """Plain steps (``spec_plain_steps``: no drafts verified or proposed) interleaved with
+    verification steps, under chunked prompts and preemptions: the greedy output is unchanged."""
+    ref, _ = plain_preempt
+    llm = with_switch(LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, async_scheduling=async_scheduling,
+                          precompile=False, **PREEMPT), PatternSwitch(PATTERN))
+    assert llm.engine.ec.spec_plain_steps
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    s = llm.stats.summary()
+    assert tokens(outs) == ref
+    assert s["spec_plain_steps"] >= s["steps"] // 4 and s["preemptions"] > 0
+    assert s["drafts_accepted"] > 0 and s["drafts_verified"] > s["drafts_accepted"]
+    assert "plain steps" in llm.stats.summary_line()
+    if async_scheduling:
+        assert llm.engine.scheduler.num_device_rows > 0
+
+
+def test_plain_steps_sample_as_the_plain_engine(prompts, plain):
+    """Seeded sampling with the ``coupled`` rule emits the token plain sampling draws at each
+    (seed, position), so with plain steps in between the output still equals the plain engine's;
+    logprobs of plain-step tokens come out as well."""
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=7, ignore_eos=True, logprobs=2)
+    ref = fresh(plain).generate(prompts[:4], p, use_tqdm=False)
+    llm = with_switch(LLM(DEFAULT_MODEL, spec_decode="dspark", spec_rule="coupled", precompile=False, **BASE),
+                      PatternSwitch(PATTERN))
+    outs = llm.generate(prompts[:4], p, use_tqdm=False)
+    assert tokens(outs) == tokens(ref)
+    assert llm.stats.summary()["spec_plain_steps"] > 0 and llm.stats.summary()["drafts_accepted"] > 0
+    for x, y in zip(ref, outs):
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            np.testing.assert_allclose([v.logprob for v in lx.values()], [v.logprob for v in ly.values()], atol=1e-4)
+
+
+@pytest.mark.parametrize("verify_seconds", [3.0, 1.0])
+def test_varlen_stops_speculating_where_verification_does_not_pay(prompts, plain, verify_seconds):
+    """With verification steps 3x as slow as plain steps no draft pays for itself: after the
+    first verification steps the engine runs plain steps (probing now and then). With equal step
+    costs every accepted draft is a gain: a step is plain only where no draft fits (prompt
+    tokens fill it) or none can come (the last token of every request). The output is the
+    greedy one either way."""
+    from deepinfer_jax.host_scheduler.spec_switch import DraftSwitch
+
+    ref = tokens(fresh(plain).generate(prompts[:8], GREEDY, use_tqdm=False))
+    llm = with_switch(LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, precompile=False, **BASE),
+                      DraftSwitch(), verify_seconds=verify_seconds)
+    assert tokens(llm.generate(prompts[:8], GREEDY, use_tqdm=False)) == ref
+    decode_only = [st for st in llm.stats.steps if st.num_decode_tokens and not st.num_prefill_tokens]
+    plain_decode = sum(st.spec_plain for st in decode_only)
+    if verify_seconds > 1:
+        assert plain_decode >= 0.8 * len(decode_only), (plain_decode, len(decode_only))
+    else:
+        assert plain_decode <= 1 and llm.stats.summary()["drafts_accepted"] > 0, plain_decode

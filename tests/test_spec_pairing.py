@@ -51,8 +51,9 @@ def apply(sch, out, accepted: dict[str, int], rng):
         a = min(accepted.get(row.request_id, 0), row.num_drafts)
         sch.commit_verification(req, row.num_drafts, a)
         req.output_token_ids.extend(int(t) for t in rng.integers(20, 40, size=a + 1))
-        req.draft_token_ids = [int(t) for t in rng.integers(20, 40, size=K)]
-        req.draft_confidence = [0.0] * K
+        n = 0 if out.spec_plain else K  # a plain step drafts nothing
+        req.draft_token_ids = [int(t) for t in rng.integers(20, 40, size=n)]
+        req.draft_confidence = [0.0] * n
 
 
 def check(req):
@@ -132,3 +133,61 @@ def test_limits_count_in_flight_drafts_as_accepted(a):
     else:
         pytest.fail("max_tokens=6 not reached in 50 rounds")
     assert len(req.output_token_ids) <= 6 + K
+
+
+def test_plain_steps_carry_no_drafts_and_the_next_row_expects_none():
+    """Plain steps (``SchedulerOutput.spec_plain``) among verification steps, scheduled one step
+    ahead: a plain step's rows carry no drafts; a row planned while a plain step is in flight
+    expects no drafts from it (and so verifies none); the bookkeeping holds throughout; and the
+    step inputs of a plain step have one logits row per row and no draft slots."""
+    from deepinfer_jax.models.cache import CacheConfig
+    from deepinfer_jax.runner.step_inputs import build_step_input
+
+    class Pattern:
+        def __init__(self):
+            self.i, self.plain = 0, False
+
+        def choose(self, decoding_rows, have_drafts, theta_spec, theta_plain):
+            self.plain = (False, True, True, False, False, True)[self.i % 6]
+            self.i += 1
+            return self.plain
+
+    sch, reqs = make(max_tokens=30, n_req=3)
+    sch.spec_varlen = True
+    sch.spec_switch = Pattern()
+    sch.spec_sps = sch.spec_plain_sps = lambda B: 1.0
+    ec = sch.ec
+    cc = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks, block_tokens=ec.block_tokens,
+                     max_blocks_per_seq=ec.blocks_per_seq, spec_tokens=K)
+    rng = np.random.default_rng(0)
+    prev = None
+    seen_plain = seen_after_plain = 0
+    for _ in range(200):  # bounded: broken counters fail the test instead of hanging it
+        if not sch.has_unfinished():
+            break
+        out = sch.schedule()
+        if out.spec_plain:
+            seen_plain += 1
+            assert all(r.num_drafts == 0 for r in out.rows)
+            inp = build_step_input(out, num_tokens=64, num_rows=4, num_decoder_tokens=None, cache_config=cc,
+                                   hasher=None, vocab=256, prompt_lp=False, spec_slots=K, verify_slots=0)
+            assert inp.draft_RK.shape == (4, 0) and inp.batch.logits_indices.shape == (4,)
+        elif out.rows:
+            inp = build_step_input(out, num_tokens=64, num_rows=4, num_decoder_tokens=None, cache_config=cc,
+                                   hasher=None, vocab=256, prompt_lp=False, spec_slots=K)
+            assert inp.draft_RK.shape == (4, K) and inp.batch.logits_indices.shape == (4 * (K + 1),)
+        if prev is not None and prev.spec_plain and not out.spec_plain:
+            after = [r for r in out.rows if r.prev_row >= 0]
+            seen_after_plain += len(after)
+            assert all(r.num_drafts == 0 for r in after)  # the plain step in flight drafts none
+        if prev is not None:
+            apply(sch, prev, {r.request_id: 1 for r in prev.rows}, rng)
+            for q in reqs:
+                if q.request_id in sch.requests and len(q.output_token_ids) >= 30:
+                    sch.finish(q, type(q.status).FINISHED_LENGTH)
+        for q in sch.running:
+            check(q)
+        prev = out
+    else:
+        pytest.fail("not finished in 200 rounds")
+    assert seen_plain > 3 and seen_after_plain > 0

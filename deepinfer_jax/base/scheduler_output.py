@@ -77,6 +77,9 @@ class SchedulerOutput:
     # attention DP: rows per dp rank, the rows listed rank by rank (host_scheduler/dp_scheduler.py);
     # None = one rank
     ranks: tuple[int, ...] | None = None
+    # speculative decoding: a plain step (host_scheduler/spec_switch.py) verifies no drafts and
+    # drafts none (one logits row per row, no rollback); False: a verification step
+    spec_plain: bool = False
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int, int]:

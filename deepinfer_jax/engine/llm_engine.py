@@ -109,28 +109,46 @@ class LLMEngine:
         # is planned before this step's accept counts are known and corrected on the device
         self.spec = getattr(ec, "spec_decode", "off") == "dspark"
         self.forward_estimator = None
+        self.plain_estimator = None  # plain steps' forward time (EngineConfig.spec_plain_steps)
+        self._sps_memos: list[dict] = []  # cleared when an estimator learns a step time
         if self.spec and ec.spec_varlen and getattr(runner, "bucket_seconds", None):
-            from deepinfer_jax.host_scheduler.spec_varlen import ForwardRuntimeEstimator
-            from deepinfer_jax.runner.step_inputs import pick_bucket
+            est = self.forward_estimator = self._bucket_estimator(runner.bucket_seconds)
+            self.scheduler.spec_sps = self._bucket_sps(est, ec.token_buckets)
+            if getattr(runner, "plain_bucket_seconds", None) and getattr(ec, "spec_plain_steps", False):
+                from deepinfer_jax.host_scheduler.spec_switch import DraftSwitch
 
-            est = self.forward_estimator = ForwardRuntimeEstimator(sorted(runner.bucket_seconds.items()))
-            buckets = ec.token_buckets
-            memo = self._sps_of_bucket = {}  # cleared when the estimator learns a step time
-
-            def bucket_sps(B: int) -> float:  # the step runs at its padded bucket: SPS(B) is the bucket's rate
-                b = pick_bucket(min(int(B), buckets[-1]), buckets)
-                v = memo.get(b)
-                if v is None:
-                    v = memo[b] = est.sps(b)
-                return v
-
-            self.scheduler.spec_sps = bucket_sps
+                plain = self.plain_estimator = self._bucket_estimator(runner.plain_bucket_seconds)
+                self.scheduler.spec_plain_sps = self._bucket_sps(plain, ec.token_buckets)
+                self.scheduler.spec_switch = DraftSwitch()
         self.spec_calibrator = None
         if self.spec and ec.spec_calibration:
             from deepinfer_jax.host_scheduler.spec_calibration import OnlineTemperatureCalibrator
 
             self.spec_calibrator = OnlineTemperatureCalibrator(ec.num_draft_tokens)
             self.scheduler.spec_confidence = self.spec_calibrator.probabilities
+
+    @staticmethod
+    def _bucket_estimator(bucket_seconds: dict):
+        from deepinfer_jax.host_scheduler.spec_varlen import ForwardRuntimeEstimator
+
+        return ForwardRuntimeEstimator(sorted(bucket_seconds.items()))
+
+    def _bucket_sps(self, est, buckets):
+        """SPS(B) for the planner: a step of B tokens runs at its padded bucket, so the bucket's
+        rate (memoised per bucket until ``est`` learns a step time)."""
+        from deepinfer_jax.runner.step_inputs import pick_bucket
+
+        memo: dict = {}
+        self._sps_memos.append(memo)
+
+        def bucket_sps(B: int) -> float:
+            b = pick_bucket(min(int(B), buckets[-1]), buckets)
+            v = memo.get(b)
+            if v is None:
+                v = memo[b] = est.sps(b)
+            return v
+
+        return bucket_sps
 
     # ------------------------------------------------------------------ requests
     def check_requests(self, requests: Sequence[tuple], labels: Sequence | None = None) -> list[CheckedRequest]:
@@ -442,12 +460,14 @@ class LLMEngine:
             host_time_s=handle.host_time, cache_hit_tokens=sched.cache_hit_tokens,
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait),
             spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,
-            drafts_accepted_per_position=acc_pos, schedule_s=handle.schedule_time, inputs_s=handle.inputs_time,
+            drafts_accepted_per_position=acc_pos, spec_plain=sched.spec_plain, schedule_s=handle.schedule_time, inputs_s=handle.inputs_time,
             call_s=handle.call_time, process_s=time.perf_counter() - t_apply,
             launch_s=getattr(handle, "launch_time", 0.0) if getattr(handle, "future", None) is not None else 0.0))
-        if self.forward_estimator is not None:
-            self.forward_estimator.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
-            self._sps_of_bucket.clear()
+        est = self.plain_estimator if sched.spec_plain else self.forward_estimator
+        if est is not None:
+            est.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
+            for memo in self._sps_memos:
+                memo.clear()
         out = [self._request_output(g) for g in done_groups]
         self._forget(done_groups)
         self.stats.finished_requests += len(done_groups)

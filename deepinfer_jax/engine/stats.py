@@ -35,6 +35,7 @@ class StepStats:
     drafts_verified: int = 0
     drafts_accepted: int = 0
     drafts_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    spec_plain: bool = False   # a plain step of a speculative engine (no drafts verified or proposed)
     # where the host time goes: planning (scheduler + grammar masks), building the step's input
     # arrays, the jitted call itself (argument handling and transfers, not device work; with
     # EngineConfig.dispatch_thread only the hand-over to the launcher thread), and applying the
@@ -107,6 +108,7 @@ class StatsLogger:
             "draft_acceptance_rate": accepted / verified if verified else 0.0,
             "mean_accepted_length": 1 + accepted / spec_rows if spec_rows else 0.0,
             "drafts_accepted_per_position": per_pos,
+            "spec_plain_steps": sum(s.spec_plain for s in st),
         }
 
     def summary_line(self) -> str:
@@ -118,6 +120,7 @@ class StatsLogger:
                 f"{s['preemptions']} preemptions"
                 + (f"; DSpark: mean accepted length {s['mean_accepted_length']:.2f} "
                    f"({s['drafts_accepted']}/{s['drafts_verified']} drafts accepted)" if s["spec_rows"] else "")
+                + (f", {s['spec_plain_steps']} plain steps" if s["spec_plain_steps"] else "")
                 + (f"; kernels on the reference: {'; '.join(s['kernel_fallbacks'])}" if s["kernel_fallbacks"] else ""))
 
     def to_json(self, path: str) -> None:

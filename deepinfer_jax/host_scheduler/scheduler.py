@@ -56,6 +56,7 @@ import numpy as np
 from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.slot_pool import SlotPool
+from deepinfer_jax.host_scheduler.spec_switch import AcceptanceRates
 from deepinfer_jax.host_scheduler.spec_varlen import plan_varlen
 from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  # noqa: F401  (re-exported)
 
@@ -88,6 +89,14 @@ class Scheduler:
         # confidence logits [R, K] -> conditional acceptance probabilities (default the sigmoid;
         # the engine sets a calibrated map with EngineConfig.spec_calibration)
         self.spec_confidence = None
+        # plain steps (EngineConfig.spec_plain_steps): ``spec_switch`` (spec_switch.DraftSwitch)
+        # and ``spec_plain_sps`` (the plain steps' rate), set by the engine; the observed
+        # per-position acceptance stands in for confidences the host does not have
+        self.spec_switch = None
+        self.spec_plain_sps = None
+        self.spec_rates = AcceptanceRates(self.num_draft_tokens) if self.num_draft_tokens else None
+        self._plain_step = False  # the step being planned is plain
+        self._drafting = True     # the newest planned step drafts (its rows' next drafts are coming)
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
 
@@ -182,9 +191,11 @@ class Scheduler:
             hit_tokens += saved
             rows.append(self._row(req, n, step, len(rows)))
             budget -= n
+        plain = self._plain_step
         if rows:
             self.next_step_id += 1
-        return SchedulerOutput(step, rows, preempted, hit_tokens, waits)
+            self._drafting = not plain
+        return SchedulerOutput(step, rows, preempted, hit_tokens, waits, spec_plain=plain)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n_out = len(req.output_token_ids) + req.num_pending  # req.num_outputs_planned
@@ -211,38 +222,73 @@ class Scheduler:
         device (async); otherwise the host's drafts from the last processed step. Before
         ``min_tokens`` outputs a row is planned only with nothing in flight (``_num_new_tokens``),
         so the count its per-slot bans start from is exact (``ScheduledRow.ban_slots``)."""
-        p = req.params
+        room = self._draft_room(req)
+        if req.num_pending:  # the in-flight step's drafts: all of them, or none from a plain step
+            return room if self._drafting else 0
+        return min(room, len(req.draft_token_ids))
+
+    def _draft_room(self, req: Request) -> int:
+        """``draft_cap`` without the drafts at hand: what a decode row of ``req`` could carry if
+        the previous step had drafted (varlen's estimate after a plain step)."""
         if req.num_computed != req.num_tokens_planned - 1:
             return 0
-        have = self.num_draft_tokens if req.num_pending else len(req.draft_token_ids)
-        return max(0, min(self.num_draft_tokens, have, p.max_tokens - req.num_outputs_planned - 1,
+        return max(0, min(self.num_draft_tokens, req.params.max_tokens - req.num_outputs_planned - 1,
                           self.max_model_len - req.num_tokens_planned - 1))
 
     def _plan_drafts(self, budget: int) -> dict[str, int]:
         """request id -> drafts of its verification row this step: the cap (fixed length) or
-        Algorithm 1 over the decode rows' confidences (``spec_varlen``)."""
+        Algorithm 1 over the decode rows' confidences (``spec_varlen``); with plain steps
+        (``spec_switch``), also whether this step is one (``_plain_step``; then no drafts)."""
+        self._plain_step = False
         caps = {r.request_id: self.draft_cap(r) for r in self.running}
         caps = {k: v for k, v in caps.items() if v > 0}
-        if not caps or not self.spec_varlen or self.spec_sps is None:
+        switch = self.spec_switch
+        if not self.spec_varlen or self.spec_sps is None or (not caps and switch is None):
             return caps
         decoding = [r for r in self.running if r.num_computed == r.num_tokens_planned - 1]
+        R = len(decoding)
+        # the step runs at its padded token bucket: the stopping rule looks at bucket ends. Prompt
+        # tokens go first: a draft is worth its acceptance probability (< 1), a prompt token is
+        # work the request needs anyway, and a starved prefill keeps the batch small
+        P = self._prefill_demand(budget)
+        cap = max(R, budget - P)
+        sps = self.spec_sps if not P else (lambda B, f=self.spec_sps: f(B + P))
+        buckets = self.spec_buckets and tuple(b - P for b in self.spec_buckets if b > P)
+        if caps:
+            cap_R = np.fromiter((caps.get(r.request_id, 0) for r in decoding), np.int64, R)
+            conf = self._confidences(decoding, cap_R)
+        else:  # no drafts at hand (the newest step was plain): as if every row had them
+            cap_R = np.fromiter((self._draft_room(r) for r in decoding), np.int64, R)
+            conf = np.where(np.arange(self.num_draft_tokens)[None, :] < cap_R[:, None], self.spec_rates.rates(), 0.0)
+        lengths = plan_varlen(conf, sps, max_tokens=cap, buckets=buckets or None)
+        if switch is not None:
+            verified = np.arange(conf.shape[1])[None, :] < lengths[:, None]
+            tau = R + float((np.cumprod(conf, axis=1) * verified).sum())
+            theta_spec = tau * sps(R + int(lengths.sum())) if R else 0.0
+            theta_plain = R * self.spec_plain_sps(R + P) if R else 0.0
+            if switch.choose(R, bool(caps), theta_spec, theta_plain):
+                self._plain_step = True
+                return {}
+        if not caps:
+            return {}
+        return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
+
+    def _confidences(self, decoding: list[Request], cap_R: np.ndarray) -> np.ndarray:
+        """[R, K] conditional acceptance probabilities of the decode rows' drafts (0 past each
+        row's cap). Async: the newest processed step's confidence logits (the drafts in flight
+        are on the device); where the host has none (right after a prefill or a plain step),
+        the observed acceptance rates."""
         K = self.num_draft_tokens
-        cap_R = np.fromiter((caps.get(r.request_id, 0) for r in decoding), np.int64, len(decoding))
-        # async: the newest processed step's confidence logits (the drafts in flight are on the
-        # device); none yet (right after a prefill): logit 0, sigmoid 0.5
         z_RK = np.zeros((len(decoding), K))
+        known_R = np.zeros(len(decoding), np.int64)
         for i in np.flatnonzero(cap_R):
             known = decoding[i].draft_confidence[:cap_R[i]]
             z_RK[i, :len(known)] = known
+            known_R[i] = len(known)
         p_RK = 1.0 / (1.0 + np.exp(-z_RK)) if self.spec_confidence is None else self.spec_confidence(z_RK)
-        conf = np.where(np.arange(K)[None, :] < cap_R[:, None], p_RK, 0.0)
-        # the step runs at its padded token bucket: the stopping rule looks at bucket ends
-        # (the decode rows' tokens are taken as the step's; prefill chunks fill the rest)
-        # prompt tokens go first: a draft is worth its acceptance probability (< 1), a prompt
-        # token is work the request needs anyway, and a starved prefill keeps the batch small
-        cap = max(len(decoding), budget - self._prefill_demand(budget))
-        lengths = plan_varlen(conf, self.spec_sps, max_tokens=cap, buckets=self.spec_buckets)
-        return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
+        j_K = np.arange(K)[None, :]
+        p_RK = np.where(j_K < known_R[:, None], p_RK, self.spec_rates.rates()[None, :])
+        return np.where(j_K < cap_R[:, None], p_RK, 0.0)
 
     def _prefill_demand(self, budget: int) -> int:
         """Prompt tokens this step could schedule (running prefills, then waiting requests while
@@ -264,6 +310,8 @@ class Scheduler:
         rolled their cache writes back, and shifted any later in-flight row by as much)."""
         req.num_pending -= 1 + num_drafts
         req.num_computed -= num_drafts - num_accepted
+        if num_drafts:
+            self.spec_rates.observe(num_drafts, num_accepted)
 
     def _blocks_needed(self, end: int) -> int:
         return -(-end // self.ec.block_tokens)

@@ -269,7 +269,8 @@ class DPModelRunner(ModelRunner):
         common = dict(num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=self.cache_config,
                       hasher=self.hasher, vocab=self.cfg.vocab_size, prompt_lp=sched.wants_prompt_logprobs,
                       spec_slots=self.spec_slots, num_banned=banned_width(sched),
-                      with_masks=bool(sched.grammar_masks), cp_devices=self.cp if split else None)
+                      with_masks=bool(sched.grammar_masks), cp_devices=self.cp if split else None,
+                      verify_slots=0 if sched.spec_plain else None)
         packed = [pack(build_step_input(p, **common)) for p in plans]
         layout = packed[0][1]
         bufs = tuple(np.stack([b[i] for b, _ in packed]) for i in range(len(packed[0][0])))

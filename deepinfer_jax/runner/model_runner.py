@@ -200,6 +200,8 @@ class ModelRunner:
             np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "cp"))
         # speculative decoding: verification rows of 1 + spec_slots tokens (0 = off)
         self.spec_slots = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
+        # and plain steps of the same program (SchedulerOutput.spec_plain): a second variant set
+        self.spec_plain = bool(self.spec_slots and getattr(ec, "spec_plain_steps", False))
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
                                         index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
@@ -212,6 +214,7 @@ class ModelRunner:
         self.num_rows = ec.max_num_seqs
         self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
+        self.plain_bucket_seconds: dict[int, float] = {}  # the same for plain steps (spec_plain)
         # dispatch_thread: the jitted calls run on their own thread (runner/step_launcher.py)
         self.launcher = StepLauncher() if getattr(ec, "dispatch_thread", False) else None
 
@@ -265,7 +268,8 @@ class ModelRunner:
         """The step's packed input buffers and their static layout at bucket ``(T, R, Td)``."""
         inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
-                               prompt_lp=sched.wants_prompt_logprobs, spec_slots=self.spec_slots)
+                               prompt_lp=sched.wants_prompt_logprobs, spec_slots=self.spec_slots,
+                               verify_slots=0 if sched.spec_plain else None)
         return pack(inp)  # a few transfers instead of one per array
 
     def step_call(self, bufs, layout, prompt_lp: bool):
@@ -328,37 +332,49 @@ class ModelRunner:
         return self._dispatch(sched, *self.buckets_of(sched))
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket variant (prompt logprobs excluded); returns seconds spent."""
-        from deepinfer_jax.base.scheduler_output import SchedulerOutput
-
+        """Compile every bucket variant (prompt logprobs excluded; verification and plain steps
+        with ``spec_plain``); returns seconds spent."""
         t0 = time.perf_counter()
-        empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
-        variants = self.variants()
-        for v in tqdm(variants, desc="compiling steps", disable=not progress):
-            h = self._dispatch(empty, *v)
+        variants = [(v, plain) for plain in self.step_kinds() for v in self.variants()]
+        for v, plain in tqdm(variants, desc="compiling steps", disable=not progress):
+            h = self._dispatch(_empty_step(plain), *v)
             h.fetch()
         if self.spec_slots:
             self.profile_buckets()
         return time.perf_counter() - t0
 
+    def step_kinds(self) -> tuple[bool, ...]:
+        """The ``spec_plain`` values this runner's steps take: (False,), or (False, True) with
+        plain steps beside verification steps."""
+        return (False, True) if self.spec_plain else (False,)
+
     def profile_buckets(self, repeats: int = 2) -> dict[int, float]:
         """Seconds of one (padding-only) step at each token bucket, the fastest of ``repeats``
         runs of its compiled variant with the most rows: the start-up curve of the varlen
-        planner's SPS (speculative decoding). Stored as ``bucket_seconds``."""
-        from deepinfer_jax.base.scheduler_output import SchedulerOutput
+        planner's SPS (speculative decoding). Stored as ``bucket_seconds``, and the plain steps'
+        curve (``spec_plain``) as ``plain_bucket_seconds``."""
+        for plain in self.step_kinds():
+            out = {}
+            for T in self.ec.token_buckets:
+                vs = [v for v in self.variants() if v[0] == T]
+                if not vs:
+                    continue
+                v = max(vs, key=lambda v: (v[1], v[2] or 0))
+                best = float("inf")
+                for _ in range(repeats):
+                    h = self._dispatch(_empty_step(plain), *v)
+                    h.fetch()
+                    best = min(best, h.t_done - h.t_dispatch)
+                out[T] = best
+            if plain:
+                self.plain_bucket_seconds = out
+            else:
+                self.bucket_seconds = out
+        return self.bucket_seconds
 
-        empty = SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[])
-        out = {}
-        for T in self.ec.token_buckets:
-            vs = [v for v in self.variants() if v[0] == T]
-            if not vs:
-                continue
-            v = max(vs, key=lambda v: (v[1], v[2] or 0))
-            best = float("inf")
-            for _ in range(repeats):
-                h = self._dispatch(empty, *v)
-                h.fetch()
-                best = min(best, h.t_done - h.t_dispatch)
-            out[T] = best
-        self.bucket_seconds = out
-        return out
+
+def _empty_step(plain: bool = False):
+    """A padding-only plan (warm-up and profiling: its cache writes are dropped)."""
+    from deepinfer_jax.base.scheduler_output import SchedulerOutput
+
+    return SchedulerOutput(step_id=-1, rows=[], preempted=[], cache_hit_tokens=0, queue_wait=[], spec_plain=plain)

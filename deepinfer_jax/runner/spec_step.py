@@ -18,6 +18,12 @@ previous step proposed (``0 <= l_r <= K``; prefill chunks and rows without draft
 The host receives the emitted tokens (``a_r + 1`` per row), the next drafts and their
 confidence logits; the carry (``SpecCarry``) stays on the device for the next step. There is no
 other host round trip.
+
+A plain step (``SchedulerOutput.spec_plain``; its inputs have ``draft_RK`` of width 0) is the
+same program without speculation: one logits row per row (step 3 is then exactly ``sample``),
+no undo log (nothing can be rejected) and no drafting; its outputs have 1 token slot and no
+drafts, and it leaves a carry of the same shapes (no drafts verified, none proposed), so that
+verification and plain steps follow each other in any order, also asynchronously.
 """
 
 from __future__ import annotations
@@ -42,12 +48,12 @@ from deepinfer_jax.sampling.spec_verify import verify_drafts
 @dataclasses.dataclass
 class SpecStepOutput:
     num_accepted: jax.Array   # int32 [R]
-    token_ids: jax.Array      # int32 [R, K+1]: accepted drafts, then the correction / bonus
-    logprob: jax.Array        # f32 [R, K+1]
-    top_ids: jax.Array        # int32 [R, K+1, N]
-    top_logprobs: jax.Array   # f32 [R, K+1, N]
-    draft_ids: jax.Array      # int32 [R, K]: the next block's drafts
-    draft_conf: jax.Array     # f32 [R, K]: their confidence logits
+    token_ids: jax.Array      # int32 [R, Kv+1]: accepted drafts, then the correction / bonus
+    logprob: jax.Array        # f32 [R, Kv+1]
+    top_ids: jax.Array        # int32 [R, Kv+1, N]
+    top_logprobs: jax.Array   # f32 [R, Kv+1, N]
+    draft_ids: jax.Array      # int32 [R, K] (plain step: [R, 0]): the next block's drafts
+    draft_conf: jax.Array     # f32 [R, K] (plain step: [R, 0]): their confidence logits
 
 
 @jax.tree_util.register_dataclass
@@ -116,7 +122,8 @@ def resolve_device_rows(inp, carry: SpecCarry, engram_tables, K: int):
     b = dataclasses.replace(b, token_ids=tok_T, engram_ids=eids, positions=b.positions - shift_T,
                             row_start=b.row_start - shift_R, decoder=decoder)
     sb = dataclasses.replace(sb, position=sb.position - shift_R)
-    draft_RK = jnp.where(ph_R[:, None], drafts_RK, inp.draft_RK)
+    Kv = inp.draft_RK.shape[1]  # the step's verification slots: K, or 0 in a plain step
+    draft_RK = jnp.where(ph_R[:, None], drafts_RK[:, :Kv], inp.draft_RK)
     return dataclasses.replace(inp, batch=b, sampling=sb, draft_RK=draft_RK)
 
 
@@ -165,31 +172,39 @@ def _spec_body(graphdef, state_treedef, state_leaves, cache, inp, carry, num_log
                K: int, rule: str, force_accept: float):
     b = inp.batch
     model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, state_leaves))
-    undo = record_undo(cache, b, cache_block_tokens(cache, model.cfg), model.cfg)
-    cache, undo = fence(cache, undo)  # the log's reads before the forward's in-place writes
+    Kv = inp.draft_RK.shape[1]  # static: K in a verification step, 0 in a plain step
+    if Kv:
+        undo = record_undo(cache, b, cache_block_tokens(cache, model.cfg), model.cfg)
+        cache, undo = fence(cache, undo)  # the log's reads before the forward's in-place writes
     cache, logits, _ = model(cache, b)
     R = inp.sampling.temperature.shape[0]
-    K1 = K + 1
+    K1 = Kv + 1
     V = logits.shape[-1]
     sb = slot_bans(inp.sampling, inp.ban_slots_R, K1)
     ver = verify_drafts(logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R, sb,
                         allowed_RKW=inp.allowed_RW, num_logprobs=num_logprobs, rule=rule,
                         batch_invariant=bi.enabled())
-    if force_accept > 0:
+    if force_accept > 0 and Kv:
         ver = forced_verification(ver, logits[:R * K1].reshape(R, K1, V), inp.draft_RK, inp.num_drafts_R,
                                   sb, force_accept)
-    cache = apply_undo(cache, undo, rejected_tokens(b, inp.num_drafts_R, ver.num_accepted))
-    # the next block: the last emitted token is the input, the last accepted position the context
-    last_tok = jnp.take_along_axis(ver.token_ids, ver.num_accepted[:, None], axis=1)[:, 0]
-    first_pos = b.row_start[:R] + b.row_len[:R] - 1 - inp.num_drafts_R
-    last_pos = first_pos + ver.num_accepted
-    nxt = model.draft(cache, jnp.maximum(last_tok, 0), last_pos, b.row_slot[:R])
+    if Kv:
+        cache = apply_undo(cache, undo, rejected_tokens(b, inp.num_drafts_R, ver.num_accepted))
+        # the next block: the last emitted token is the input, the last accepted position the context
+        last_tok = jnp.take_along_axis(ver.token_ids, ver.num_accepted[:, None], axis=1)[:, 0]
+        first_pos = b.row_start[:R] + b.row_len[:R] - 1 - inp.num_drafts_R
+        last_pos = first_pos + ver.num_accepted
+        nxt = model.draft(cache, jnp.maximum(last_tok, 0), last_pos, b.row_slot[:R])
+        draft_ids, draft_conf = nxt.token_ids[:, 1:1 + K], nxt.confidence[:, :K].astype(jnp.float32)
+    else:  # a plain step: nothing to roll back, nothing drafted
+        draft_ids, draft_conf = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0), jnp.float32)
     out = SpecStepOutput(ver.num_accepted, ver.token_ids, ver.logprob, ver.top_ids, ver.top_logprobs,
-                         nxt.token_ids[:, 1:1 + K], nxt.confidence[:, :K].astype(jnp.float32))
+                         draft_ids, draft_conf)
+    # the carry keeps K + 1 token slots and K drafts whatever this step verified
+    pad = ((0, 0), (0, K - Kv))
     new_carry = SpecCarry(set_rows(carry.num_accepted, ver.num_accepted),
-                          set_rows(carry.num_drafts, jnp.clip(inp.num_drafts_R, 0, K)),
-                          set_rows(carry.token_ids, jnp.maximum(ver.token_ids, 0)),
-                          set_rows(carry.draft_ids, out.draft_ids))
+                          set_rows(carry.num_drafts, jnp.clip(inp.num_drafts_R, 0, Kv)),
+                          set_rows(carry.token_ids, jnp.pad(jnp.maximum(ver.token_ids, 0), pad)),
+                          set_rows(carry.draft_ids, draft_ids if Kv else jnp.zeros((R, K), jnp.int32)))
     plp = prompt_logprobs(logits[R * K1:], inp.prompt_targets, num_logprobs) if prompt_lp else None
     return cache, out, plp, new_carry
 

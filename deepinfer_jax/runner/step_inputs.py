@@ -5,10 +5,11 @@ optionally T' decoder tokens (compact YOCO truncation). Every row gets one logit
 the sampler); rows that do not sample are padding for the sampler. With prompt logprobs the
 logits rows continue with one row per flat token (``R + T`` in all).
 
-Verification rows (speculative decoding, ``spec_slots = K > 0``): every row gets K+1 logits rows
-(``R*(K+1)`` sampler slots in all, row r's slot i at the token of its i-th verification position,
+Verification rows (speculative decoding, ``spec_slots = K > 0``): every row gets Kv+1 logits rows
+(``R*(Kv+1)`` sampler slots in all, row r's slot i at the token of its i-th verification position,
 slots past the row's drafts repeat its last token) and ``draft_RK`` / ``num_drafts_R`` carry the
-drafts being judged.
+drafts being judged. Kv (``verify_slots``) is K in a verification step and 0 in a plain step
+(``SchedulerOutput.spec_plain``): the jitted step reads which from ``draft_RK``'s width.
 
 Placeholders: a decode token sampled by the previous step is not known here; its entry in
 ``prev_row`` names the previous step's logits row and the device substitutes the id (and, with
@@ -67,12 +68,13 @@ def banned_width(sched) -> int:
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
                      cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0,
                      num_banned: int | None = None, with_masks: bool | None = None,
-                     cp_devices: int | None = None) -> StepInput:
+                     cp_devices: int | None = None, verify_slots: int | None = None) -> StepInput:
     """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes.
     ``num_banned`` (default ``banned_width(sched)``) and ``with_masks`` (default: whether a row
     has a grammar mask) fix those parts of the layout, so that the DP ranks' inputs of one step
     share it. ``cp_devices`` (> 1): the tokens' balanced context-parallel layout over that many
-    devices (``base/cp_layout.py``).
+    devices (``base/cp_layout.py``). ``verify_slots``: the drafts a row may carry in this step
+    (default ``spec_slots``; 0 for a plain step of a speculative engine).
 
     Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
     once into arrays, the Engram hashes of every known token and the partial hashes of every
@@ -80,6 +82,9 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     rows = sched.rows
     nr = len(rows)
     K = spec_slots
+    Kv = K if verify_slots is None else verify_slots
+    if not 0 <= Kv <= K:
+        raise ValueError(f"verify_slots={verify_slots}: must be in [0, spec_slots={K}]")
     n_R = np.fromiter((r.num_tokens for r in rows), np.int64, nr)
     total = int(n_R.sum())
     off_R = np.zeros(nr, np.int64)
@@ -108,17 +113,17 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     drafts = n_drafts = ban_slots = spec_prev = spec_ctx = None
     if K:
         nd_R = np.fromiter((r.num_drafts for r in rows), np.int64, nr)
-        if nr and nd_R.max() > K:
-            i = int(np.argmax(nd_R > K))
-            raise ValueError(f"row of request {rows[i].request_id!r}: {int(nd_R[i])} drafts > spec_slots={K}")
+        if nr and nd_R.max() > Kv:
+            i = int(np.argmax(nd_R > Kv))
+            raise ValueError(f"row of request {rows[i].request_id!r}: {int(nd_R[i])} drafts > {Kv} verification slots")
         first_R = last_t - nd_R
-        j = np.arange(K + 1)
+        j = np.arange(Kv + 1)
         lr = np.where(sample_R[:, None], first_R[:, None] + np.minimum(j[None, :], nd_R[:, None]), -1)
-        logit_rows = np.full(num_rows * (K + 1), -1, np.int64)
-        logit_rows[:nr * (K + 1)] = lr.reshape(-1)
-        drafts = np.zeros((num_rows, K), np.int32)
-        has = (np.arange(K)[None, :] < nd_R[:, None]) & ~device_R[:, None]
-        src = np.minimum(first_R[:, None] + 1 + np.arange(K)[None, :], max(total - 1, 0))
+        logit_rows = np.full(num_rows * (Kv + 1), -1, np.int64)
+        logit_rows[:nr * (Kv + 1)] = lr.reshape(-1)
+        drafts = np.zeros((num_rows, Kv), np.int32)
+        has = (np.arange(Kv)[None, :] < nd_R[:, None]) & ~device_R[:, None]
+        src = np.minimum(first_R[:, None] + 1 + np.arange(Kv)[None, :], max(total - 1, 0))
         drafts[:nr][has] = tok_t[src[has]]
         n_drafts = np.zeros(num_rows, np.int32)
         n_drafts[:nr] = nd_R
@@ -168,7 +173,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     if with_masks if with_masks is not None else bool(masks):
         masks = masks or {}
         W = -(-vocab // 32)
-        allowed = np.full((num_rows, K + 1, W), -1, np.int32)
+        allowed = np.full((num_rows, Kv + 1, W), -1, np.int32)
         for i, m in masks.items():
             m = np.asarray(m, np.int32)
             allowed[i, :len(m)] = m
