@@ -53,7 +53,7 @@ _FIELD_TYPES = {
     "dp": ("int", 1, False), "cp": ("int", 1, False), "cp_min_tokens": ("int", 1, True),
     "ep_scheme": ("str", None, False),
     "eplb_redundant_experts": ("int", 0, False), "eplb_window": ("int", 1, False), "eplb_interval": ("int", 0, False),
-    "precompile": ("bool", None, False),
+    "precompile": ("bool", None, False), "compile_workers": ("int", 1, True),
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
     "spec_calibration": ("bool", None, False), "spec_plain_steps": ("bool", None, True),
@@ -130,6 +130,9 @@ class EngineConfig:
     eplb_window: int = 1000
     eplb_interval: int = 10000
     precompile: bool = True                # compile every bucket at start-up
+    # threads XLA compiles the step variants on at start-up (after tracing and lowering them one
+    # by one); None: half this host's cores; 1: one variant after another
+    compile_workers: int | None = None
     # a request's logits (and, with its seed, its tokens) do not depend on the other requests of
     # its steps, the padded step size or its prompt's chunking (base/batch_invariant.py; costs
     # throughput, scripts/bench_batch_invariance.py). None: $DEEPINFER_BATCH_INVARIANT, else False

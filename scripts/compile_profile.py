@@ -13,6 +13,8 @@ warm-up that missed a jit cache key shows here).
     python scripts/compile_profile.py --model v41-tiny --configs '{}' '{"kernels": "reference"}'
     python scripts/compile_profile.py --model v41-small-code --cache-dir /tmp/jaxcache \\
         --configs '{"kernels": "reference"}' '{}' '{"spec_decode": "dspark"}'
+    python scripts/compile_profile.py --model v41-small-code \\
+        --configs '{"compile_workers": 1}' '{"compile_workers": 8}'   # XLA compiles on 8 threads
 
 Writes JSON (default ``benchmarks/results/compile_profile_<platform>.json``) with the device,
 jax version and date.
@@ -55,6 +57,7 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     from deepinfer_jax.entrypoints.llm import LLM
+    from deepinfer_jax.runner.model_runner import compile_workers
 
     t0 = time.perf_counter()
     llm = LLM(model, progress=False, **config)
@@ -67,6 +70,7 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
     late = [s for k, s in events[n0:] if k == "backend_s"]
     rec = {"config": config, "start_s": round(start_s, 2), "warmup_s": round(llm.compile_time_s, 2),
            "variants": len(llm.runner.variants()) * len(llm.runner.step_kinds()),
+           "compile_workers": compile_workers(llm.engine.ec, len(llm.runner.variants()) * len(llm.runner.step_kinds())),
            "compiles_over_1s": sum(s > 1.0 for s in backend), "longest_compile_s": round(max(backend, default=0.0), 2),
            "generate_compiles_over_1s": sum(s > 1.0 for s in late)}
     for phase in PHASES.values():

@@ -227,6 +227,32 @@ def test_warmup_compiles_each_step_variant_once(model_dir, llm):
     assert fn._cache_size() - before == 1
 
 
+def test_parallel_compile_leaves_no_compile_to_the_steps(model_dir):
+    """``compile_workers=2``: XLA compiles the step variants on two threads after they are
+    lowered; the warm-up's first runs and a generate then compile nothing more. Token buckets no
+    other test uses, so no variant is already in the shared jit cache."""
+    import threading
+
+    import jax
+
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **k: events.append((threading.current_thread().name, secs))
+        if name == "/jax/core/compile/backend_compile_duration" else None)
+    try:
+        llm = LLM(model_dir, **dict(BASE, max_num_seqs=8, max_num_batched_tokens=48, token_buckets=(24, 48),
+                                    compile_workers=2))
+        pooled = [s for t, s in events if t.startswith("xla-compile")]
+        main = [s for t, s in events if not t.startswith("xla-compile")]
+        assert len(pooled) == len(llm.runner.variants()) >= 2
+        assert max(main, default=0.0) < min(pooled)  # helper ops at most, no step variant
+        events.clear()
+        llm.generate(prompts_of(3, 9, 2, 60), SamplingParams(max_tokens=5), use_tqdm=False)
+        assert events == []
+    finally:
+        jax.monitoring.clear_event_listeners()
+
+
 def test_seeded_sampling_independent_of_batch(llm):
     p = prompts_of(1, 41, 30, 31)[0]
     sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)

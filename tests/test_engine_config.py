@@ -43,6 +43,8 @@ CFG = preset("v41-tiny")
     ("dp", 0, "must be >= 1"),
     ("cp", 2.0, "must be an int"),
     ("max_num_seqs", np.int64(4), "must be an int"),
+    ("compile_workers", 0, "must be >= 1"),
+    ("compile_workers", 2.0, "must be an int or None"),
 ])
 def test_bad_field_named(field, value, why):
     with pytest.raises(ValueError) as ei:

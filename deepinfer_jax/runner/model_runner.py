@@ -230,10 +230,12 @@ class ModelRunner:
         """``tree`` placed on the step's devices: the arrays the step carries (cache, sampled
         ids, speculation carry) are committed outputs after the first step, and jit keys its
         cache on committed vs not, so uncommitted initial arrays would compile every step
-        variant's first call twice."""
-        if self.mesh is None:
-            return jax.device_put(tree, jax.devices()[0])
-        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        variant's first call twice. Without a mesh they are placed on the one-device trace
+        mesh, as the step's outputs are (the step runs under it): so the first call of a variant
+        shares the jit cache key of every later one (and a variant compiled ahead, before any
+        step ran, is the one the steps call)."""
+        mesh = self.mesh if self.mesh is not None else self.trace_mesh
+        return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def kernel_fallbacks(self) -> dict[str, int]:
         """Ops whose kernel ran the jnp reference in a trace ("op: reason" -> traced calls; the
@@ -336,12 +338,39 @@ class ModelRunner:
         with ``spec_plain``); returns seconds spent."""
         t0 = time.perf_counter()
         variants = [(v, plain) for plain in self.step_kinds() for v in self.variants()]
-        for v, plain in tqdm(variants, desc="compiling steps", disable=not progress):
+        workers = compile_workers(self.ec, len(variants))
+        if workers > 1:
+            self.compile_parallel(variants, workers, progress)
+        for v, plain in tqdm(variants, desc="compiling steps" if workers <= 1 else "first runs",
+                             disable=not progress):
             h = self._dispatch(_empty_step(plain), *v)
             h.fetch()
         if self.spec_slots:
             self.profile_buckets()
         return time.perf_counter() - t0
+
+    def compile_parallel(self, variants, workers: int, progress: bool = True) -> bool:
+        """Trace and lower each ``(bucket, plain)`` variant on this thread (Python), then let XLA
+        compile them on ``workers`` threads at once (XLA's compile releases the GIL). The
+        executables stay with the jitted function: its first call of each variant compiles
+        nothing. False (nothing done) where the step is not a plain jitted function."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        lowered = []
+        for v, plain in tqdm(variants, desc="lowering steps", disable=not progress):
+            sched = _empty_step(plain)
+            bufs, layout = self.step_inputs(sched, *v)
+            fn, args, kw = self.step_call(bufs, layout, sched.wants_prompt_logprobs)
+            if not hasattr(fn, "lower"):
+                return False
+            with jax.set_mesh(self.trace_mesh):
+                lowered.append(fn.lower(*args, **kw))
+        with ThreadPoolExecutor(workers, thread_name_prefix="xla-compile") as pool:
+            futures = [pool.submit(low.compile) for low in lowered]
+            for f in tqdm(as_completed(futures), total=len(futures), desc=f"compiling steps ({workers} threads)",
+                          disable=not progress):
+                f.result()
+        return True
 
     def step_kinds(self) -> tuple[bool, ...]:
         """The ``spec_plain`` values this runner's steps take: (False,), or (False, True) with
@@ -371,6 +400,15 @@ class ModelRunner:
             else:
                 self.bucket_seconds = out
         return self.bucket_seconds
+
+
+def compile_workers(ec, num_variants: int) -> int:
+    """Threads that compile the step variants at start-up: ``EngineConfig.compile_workers``, or
+    by default half this host's cores, at most one per variant."""
+    n = getattr(ec, "compile_workers", None)
+    if n is None:
+        n = max(1, (os.cpu_count() or 1) // 2)
+    return max(1, min(n, num_variants))
 
 
 def _empty_step(plain: bool = False):
