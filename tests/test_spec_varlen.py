@@ -383,6 +383,19 @@ def test_forward_estimator_online_correction():
     assert est.base(64) == pytest.approx(0.010)
 
 
+def test_forward_estimator_one_outlier_moves_it_at_most_max_jump():
+    """A single step 10x the curve (a compile, a pause) doubles the estimate at most; ordinary
+    steps then bring it back."""
+    est = ForwardRuntimeEstimator([(16, 0.01), (64, 0.02)], alpha=0.5, min_obs=1)
+    est.observe(16, 0.10)
+    assert est.seconds(16) == pytest.approx(0.02)
+    for _ in range(12):
+        est.observe(16, 0.01)
+    assert est.seconds(16) == pytest.approx(0.01, rel=1e-3)
+    with pytest.raises(ValueError, match="max_jump"):
+        ForwardRuntimeEstimator([(16, 0.01)], max_jump=1.0)
+
+
 def test_sampler_estimator():
     est = SamplerRuntimeEstimator(window=4, min_samples=3, default=0.5)
     assert est.seconds(8) == 0.5

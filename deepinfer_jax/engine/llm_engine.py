@@ -111,6 +111,7 @@ class LLMEngine:
         self.forward_estimator = None
         self.plain_estimator = None  # plain steps' forward time (EngineConfig.spec_plain_steps)
         self._sps_memos: list[dict] = []  # cleared when an estimator learns a step time
+        self._prev_done = 0.0  # when the newest processed step's results arrived
         if self.spec and ec.spec_varlen and getattr(runner, "bucket_seconds", None):
             est = self.forward_estimator = self._bucket_estimator(runner.bucket_seconds)
             self.scheduler.spec_sps = self._bucket_sps(est, ec.token_buckets)
@@ -465,9 +466,12 @@ class LLMEngine:
             launch_s=getattr(handle, "launch_time", 0.0) if getattr(handle, "future", None) is not None else 0.0))
         est = self.plain_estimator if sched.spec_plain else self.forward_estimator
         if est is not None:
-            est.observe(handle.bucket_tokens, handle.t_done - handle.t_dispatch)
+            # the step's own time: from its dispatch, or from the previous step's results where
+            # it was dispatched before them (async: it waited for that step on the device)
+            est.observe(handle.bucket_tokens, handle.t_done - max(handle.t_dispatch, self._prev_done))
             for memo in self._sps_memos:
                 memo.clear()
+        self._prev_done = handle.t_done
         out = [self._request_output(g) for g in done_groups]
         self._forget(done_groups)
         self.stats.finished_requests += len(done_groups)

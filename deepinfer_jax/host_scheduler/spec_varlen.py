@@ -291,11 +291,15 @@ class ForwardRuntimeEstimator:
     bucket (the index of the nearest profiled point) and globally.  ``seconds(B)`` is
     base(B) times the bucket's ratio once the bucket has ``min_obs`` observations, else the
     global ratio once anything was observed, else 1.  The ratio keeps the curve's shape and
-    tracks drift (clocks, contention, another context length) from a few observations.
+    tracks drift (clocks, contention, another context length) from a few observations.  One
+    observation moves a ratio by at most a factor ``max_jump`` (its ratio is clipped to within
+    that factor of the current estimate): a single outlier (a compile, a pause) cannot make a
+    step kind look several times slower than it is for the many steps the average takes to
+    forget it.
     """
 
     def __init__(self, points: Sequence[tuple[float, float]], alpha: float = 0.1, min_obs: int = 3,
-                 min_seconds: float = 1e-6) -> None:
+                 min_seconds: float = 1e-6, max_jump: float = 2.0) -> None:
         pts = sorted((float(b), float(s)) for b, s in points)
         if not pts:
             raise ValueError("ForwardRuntimeEstimator needs at least one profiled (tokens, seconds) point")
@@ -305,6 +309,9 @@ class ForwardRuntimeEstimator:
             raise ValueError("profiled token counts must be distinct")
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
+        if not max_jump > 1:
+            raise ValueError("max_jump must be > 1")
+        self.max_jump = max_jump
         self.tokens = [b for b, _ in pts]
         self.base_seconds = [s for _, s in pts]
         self.alpha = alpha
@@ -351,7 +358,8 @@ class ForwardRuntimeEstimator:
     def observe(self, tokens: float, seconds: float) -> None:
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        q = seconds / self.base(tokens)
+        ref = self.ratio(tokens)
+        q = min(max(seconds / self.base(tokens), ref / self.max_jump), ref * self.max_jump)
         k = self.bucket(tokens)
         self._ratio[k] = q if self._count[k] == 0 else (1 - self.alpha) * self._ratio[k] + self.alpha * q
         self._count[k] += 1
