@@ -36,7 +36,7 @@ def test_with_drafts_at_hand_the_faster_option_wins():
     assert sw.choose(8, True, theta_spec=12.0, theta_plain=10.0) is False
     assert sw.choose(8, True, theta_spec=9.0, theta_plain=10.0) is True
     assert sw.choose(8, True, theta_spec=10.0, theta_plain=10.0) is True  # a tie: the cheaper step
-    assert sw.num_plain == 2
+    assert sw.plain_run == 2  # the two plain steps in a row
 
 
 def test_prefill_only_steps_keep_the_mode():

@@ -503,7 +503,7 @@ def test_scheduler_varlen_leaves_the_budget_to_prompts():
     """Decode rows get their drafts from the budget prompt tokens leave: with nothing waiting all
     four rows verify 3 drafts; with a 58-token prompt waiting (64 - 4 rows = 60 free) only 2
     drafts fit; with a prompt of the whole budget, none."""
-    assert sorted(_decoding_scheduler(0)._plan_drafts(64).values()) == [3, 3, 3, 3]
-    assert sum(_decoding_scheduler(58)._plan_drafts(64).values()) == 2
-    assert _decoding_scheduler(64)._plan_drafts(64) == {}
+    assert sorted(_decoding_scheduler(0)._plan_drafts(64)[0].values()) == [3, 3, 3, 3]
+    assert sum(_decoding_scheduler(58)._plan_drafts(64)[0].values()) == 2
+    assert _decoding_scheduler(64)._plan_drafts(64) == ({}, False)  # no switch: never plain
     assert _decoding_scheduler(64)._prefill_demand(64) == 64

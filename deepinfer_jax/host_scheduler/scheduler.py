@@ -95,7 +95,6 @@ class Scheduler:
         self.spec_switch = None
         self.spec_plain_sps = None
         self.spec_rates = AcceptanceRates(self.num_draft_tokens) if self.num_draft_tokens else None
-        self._plain_step = False  # the step being planned is plain
         self._drafting = True     # the newest planned step drafts (its rows' next drafts are coming)
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
@@ -156,7 +155,7 @@ class Scheduler:
         budget = self.ec.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
-        self._draft_plan = self._plan_drafts(budget) if self.num_draft_tokens else {}
+        self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -191,7 +190,6 @@ class Scheduler:
             hit_tokens += saved
             rows.append(self._row(req, n, step, len(rows)))
             budget -= n
-        plain = self._plain_step
         if rows:
             self.next_step_id += 1
             self._drafting = not plain
@@ -235,16 +233,15 @@ class Scheduler:
         return max(0, min(self.num_draft_tokens, req.params.max_tokens - req.num_outputs_planned - 1,
                           self.max_model_len - req.num_tokens_planned - 1))
 
-    def _plan_drafts(self, budget: int) -> dict[str, int]:
-        """request id -> drafts of its verification row this step: the cap (fixed length) or
-        Algorithm 1 over the decode rows' confidences (``spec_varlen``); with plain steps
-        (``spec_switch``), also whether this step is one (``_plain_step``; then no drafts)."""
-        self._plain_step = False
+    def _plan_drafts(self, budget: int) -> tuple[dict[str, int], bool]:
+        """(request id -> drafts of its verification row this step, whether the step is plain):
+        the cap (fixed length) or Algorithm 1 over the decode rows' confidences
+        (``spec_varlen``); with plain steps (``spec_switch``) the step may be plain (no drafts)."""
         caps = {r.request_id: self.draft_cap(r) for r in self.running}
         caps = {k: v for k, v in caps.items() if v > 0}
         switch = self.spec_switch
         if not self.spec_varlen or self.spec_sps is None or (not caps and switch is None):
-            return caps
+            return caps, False
         decoding = [r for r in self.running if r.num_computed == r.num_tokens_planned - 1]
         R = len(decoding)
         # the step runs at its padded token bucket: the stopping rule looks at bucket ends. Prompt
@@ -267,11 +264,10 @@ class Scheduler:
             theta_spec = tau * sps(R + int(lengths.sum())) if R else 0.0
             theta_plain = R * self.spec_plain_sps(R + P) if R else 0.0
             if switch.choose(R, bool(caps), theta_spec, theta_plain):
-                self._plain_step = True
-                return {}
-        if not caps:
-            return {}
-        return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}
+                return {}, True
+        if not caps:  # a drafting step with nothing to verify yet
+            return {}, False
+        return {r.request_id: int(n) for r, n in zip(decoding, lengths) if n > 0}, False
 
     def _confidences(self, decoding: list[Request], cap_R: np.ndarray) -> np.ndarray:
         """[R, K] conditional acceptance probabilities of the decode rows' drafts (0 past each

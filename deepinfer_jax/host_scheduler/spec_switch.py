@@ -67,7 +67,6 @@ class DraftSwitch:
         self.plain_run = 0        # plain steps in a row
         self.spec_run = 0         # verification steps in a row
         self.primed = False       # the newest planned step drafted after a plain step
-        self.num_plain = 0        # plain steps planned so far
 
     def choose(self, decoding_rows: int, have_drafts: bool, theta_spec: float, theta_plain: float) -> bool:
         """Whether the step being planned is plain; updates the state as if it runs."""
@@ -87,7 +86,6 @@ class DraftSwitch:
         if plain:
             self.plain_run += 1
             self.spec_run = 0
-            self.num_plain += 1
         else:
             self.plain_run = 0
             self.spec_run += 1

@@ -339,10 +339,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         variants = [(v, plain) for plain in self.step_kinds() for v in self.variants()]
         workers = compile_workers(self.ec, len(variants))
-        if workers > 1:
-            self.compile_parallel(variants, workers, progress)
-        for v, plain in tqdm(variants, desc="compiling steps" if workers <= 1 else "first runs",
-                             disable=not progress):
+        compiled = workers > 1 and self.compile_parallel(variants, workers, progress)
+        for v, plain in tqdm(variants, desc="first runs" if compiled else "compiling steps", disable=not progress):
             h = self._dispatch(_empty_step(plain), *v)
             h.fetch()
         if self.spec_slots:
