@@ -42,7 +42,7 @@ run_tests() {  # name, pytest args...
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$LOGS/gpu.txt" 2>&1
 "$PY" -c "import jax; print(jax.__version__, jax.devices())" >>"$LOGS/gpu.txt" 2>&1
 
-ALL_GROUPS="moe_kernel sparse_kernel indexer_kernel sinkhorn_kernel f32_matmul batch_invariance golden cache_consistency engine"
+ALL_GROUPS="moe_kernel sparse_kernel indexer_kernel sinkhorn_kernel f32_matmul batch_invariance golden cache_consistency engine spec_engine"
 GROUPS_RUN="${CHECK_GROUPS:-$ALL_GROUPS}"
 run_group() {  # one group's pytest process
   case $1 in
@@ -56,6 +56,8 @@ run_group() {  # one group's pytest process
     golden) run_tests "$1" -m "not slow" -rs tests/test_golden.py ;;
     cache_consistency) run_tests "$1" -m "not slow" -rs tests/test_cache_consistency.py ;;
     engine) run_tests "$1" -m "not slow" -rs tests/test_engine.py ;;
+    # DSpark in the engine: greedy with speculation == without, plain steps between verification steps
+    spec_engine) run_tests "$1" -m "not slow" -rs tests/test_spec_engine.py ;;
     *) echo "unknown group $1 (groups: $ALL_GROUPS)" >"$LOGS/$1.log"; echo 2 >"$LOGS/$1.rc" ;;
   esac
 }
