@@ -91,7 +91,9 @@ class SchedulerOutput:
             total += n
             if r.is_prefill:
                 prefill += n
-            decoder += r.num_decoder_tokens
+            # r.num_decoder_tokens, inlined (a property call per row and step)
+            skip = r.dec_floor - r.start
+            decoder += n if skip <= 0 else n - min(skip, n)
         return total, prefill, decoder
 
     @property

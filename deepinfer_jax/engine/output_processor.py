@@ -68,8 +68,9 @@ class OutputProcessor:
 
     def add_token(self, st: RequestState, token: int, logprob: float, top_ids, top_lps) -> RequestStatus | None:
         """Append one sampled token; returns the finishing status or None."""
-        req, p = st.request, st.request.params
-        req.output_token_ids.append(token)
+        req = st.request
+        p, outs = req.params, req.output_token_ids
+        outs.append(token)
         st.cumulative_logprob += logprob
         if st.logprobs is not None:
             n = p.logprobs
@@ -95,7 +96,8 @@ class OutputProcessor:
         if token in p.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        n_out = len(outs)
+        if n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

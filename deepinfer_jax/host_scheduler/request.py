@@ -30,10 +30,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED  # (by value: an enum member hashes in Python, a str in C)
 
 
-_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED))
+_FINISHED = frozenset(s.value for s in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                        RequestStatus.FINISHED_ABORTED))
 
 
 @dataclasses.dataclass(eq=False)

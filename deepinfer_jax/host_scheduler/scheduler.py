@@ -98,6 +98,7 @@ class Scheduler:
         self._drafting = True     # the newest planned step drafts (its rows' next drafts are coming)
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
+        self._block_tokens, self._caching = ec.block_tokens, ec.enable_prefix_caching  # (_decode_row)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -157,8 +158,16 @@ class Scheduler:
         preempted: list[str] = []
         self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
+        fast = not self.num_draft_tokens  # steady decode rows take _decode_row (no drafts to plan)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if fast:
+                row = self._decode_row(req, step, len(rows))
+                if row is not None:
+                    rows.append(row)
+                    budget -= 1
+                    i += 1
+                    continue
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 i += 1
@@ -348,6 +357,58 @@ class Scheduler:
         req.floor, req.cache_start = start, cached
         req.status = RequestStatus.RUNNING
         return n, start
+
+    def _decode_row(self, req: Request, step: int, row_index: int) -> ScheduledRow | None:
+        """The row of a steady decode step (one token, no drafts, its blocks in hand, no
+        ``min_tokens`` bans), or None (nothing changed) for ``_num_new_tokens`` + ``_row``,
+        which plan every other case. The same row and state updates as those two would make,
+        without their general branches: the per-row hot path of ``bench_host_path.py``."""
+        pending = req.num_pending
+        if pending > 1:
+            return None
+        prompt, outs = req.prompt_token_ids, req.output_token_ids
+        n_prompt = len(prompt)
+        n_known = n_prompt + len(outs)
+        start = req.num_computed
+        if start != n_known + pending - 1:
+            return None  # a prefill, or every known token computed (a finishing sample in flight)
+        p = req.params
+        n_out = start + 1 - n_prompt  # outputs before the row's sample
+        blocks = req.blocks
+        if (n_out >= p.max_tokens or start + 1 >= self.max_model_len or n_out < p.min_tokens
+                or start >= len(blocks) * self._block_tokens):
+            return None
+        if pending:  # the newest token is the in-flight sample: a placeholder
+            if p.structured_output is not None and p.grammar is not None:
+                return None  # structured output waits for it (a sync point)
+            last = req.last_sample
+            if last is None or last[0] != step - 1:
+                return None  # (_row raises)
+            prev_row, end_known = last[1], start
+        else:
+            prev_row, end_known = -1, start + 1
+        H = self.history_tokens
+        lo = start - H if start > H else 0
+        # known tokens [lo, end_known): the Engram look-back and, without a placeholder, the token
+        if lo >= n_prompt:
+            win = outs[lo - n_prompt:end_known - n_prompt]
+        elif end_known <= n_prompt:
+            win = prompt[lo:end_known]
+        else:
+            win = prompt[lo:] + outs[:end_known - n_prompt]
+        toks = [-1] if pending else win[start - lo:]
+        req.num_computed = start + 1
+        req.num_pending = pending + 1
+        req.spec_inflight_drafts = 0
+        req.last_sample = (step, row_index)
+        if self._caching and end_known // self._block_tokens > req.num_registered_blocks:
+            self._register_blocks(req, end_known)
+        floor = req.floor
+        dec_floor = req.dec_floor
+        return ScheduledRow(
+            req.request_id, req.epoch, start, toks, prev_row, True, req.slot, blocks[:], floor,
+            dec_floor if dec_floor > floor else floor, req.cache_start, False, p, req.seed, [], False,
+            None, win if H else None, 0, None, 1)
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         # (one call per row and step: the request's counts are read once into locals, and the

@@ -85,15 +85,16 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     Kv = K if verify_slots is None else verify_slots
     if not 0 <= Kv <= K:
         raise ValueError(f"verify_slots={verify_slots}: must be in [0, spec_slots={K}]")
-    n_R = np.fromiter((r.num_tokens for r in rows), np.int64, nr)
+    toks_R = [r.token_ids for r in rows]
+    n_R = np.fromiter(map(len, toks_R), np.int64, nr)
     total = int(n_R.sum())
     off_R = np.zeros(nr, np.int64)
     np.cumsum(n_R[:-1], out=off_R[1:])
     start_R = np.fromiter((r.start for r in rows), np.int64, nr)
     prev_R = np.fromiter((r.prev_row for r in rows), np.int64, nr)
     sample_R = np.fromiter((r.sample for r in rows), bool, nr)
-    device_R = np.fromiter((K > 0 and r.spec_ctx is not None for r in rows), bool, nr)
-    tok_t = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in rows), np.int64, total)
+    device_R = (np.fromiter((r.spec_ctx is not None for r in rows), bool, nr) if K else np.zeros(nr, bool))
+    tok_t = np.fromiter(itertools.chain.from_iterable(toks_R), np.int64, total)
     row_of_t = np.repeat(np.arange(nr), n_R)
     last_t = off_R + n_R - 1  # each row's last flat token
 
@@ -160,7 +161,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         cp_devices=cp_devices)
     # sampler row i is the plan's row i; rows that do not sample are greedy padding
     samp_R = np.flatnonzero(sample_R)
-    srows = [rows[i] for i in samp_R]
+    srows = rows if len(samp_R) == nr else [rows[i] for i in samp_R]  # (usually every row samples)
     nd_R = np.fromiter((r.num_drafts for r in srows), np.int64, len(srows)) if K else 0
     sampling = sampling_batch_of(samp_R, [r.params for r in srows], [r.seed for r in srows],
                                  start_R[samp_R] + n_R[samp_R] - nd_R,  # ScheduledRow.sample_position
@@ -197,8 +198,14 @@ def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, las
     host_R = ~device_R
     known_R = n_R - ph_R
     w0_R = np.maximum(start_R - Km1, 0)
-    hist = [rows[i].history if host_R[i] else () for i in range(nr)]
-    hl_R = np.fromiter((len(h) if h is not None else -1 for h in hist), np.int64, nr)
+    if host_R.all():  # (the common case: no device rows)
+        hist = [r.history for r in rows]
+    else:
+        hist = [rows[i].history if host_R[i] else () for i in range(nr)]
+    try:
+        hl_R = np.fromiter(map(len, hist), np.int64, nr)
+    except TypeError:  # a row without history (-1: named below)
+        hl_R = np.fromiter((len(h) if h is not None else -1 for h in hist), np.int64, nr)
     bad = host_R & (hl_R != start_R + known_R - w0_R)
     if bad.any():
         i = int(np.argmax(bad))
