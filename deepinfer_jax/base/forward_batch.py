@@ -210,6 +210,8 @@ def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_
     n_dec = int(k_R.sum())
     if n_dec > num_dec:
         raise ValueError(f"num_decoder_tokens={num_dec} < decoder tokens in the step")
+    if not first_R.any():  # every token is a decoder token (decode steps): the view is the batch's own
+        return _full_decoder_view(n_R, off_R, start_R, n_dec, logits_idx, num_dec, num_rows, num_logits)
     odec_R = np.zeros(nr, np.int64)
     np.cumsum(k_R[:-1], out=odec_R[1:])
     row_of_d = np.repeat(np.arange(nr), k_R)
@@ -236,4 +238,29 @@ def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_
         t = int(want[asked & (mapped < 0)][0])
         raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
     li[: len(want)] = np.where(asked, mapped, 0)
+    return DecoderView(index, valid, start, length, off, li)
+
+
+def _full_decoder_view(n_R, off_R, start_R, total: int, logits_idx, num_dec: int, num_rows: int,
+                       num_logits: int) -> DecoderView:
+    """``_decoder_view`` where no row skips a token: the same arrays from fewer operations
+    (decoder token t is flat token t)."""
+    nr = n_R.shape[0]
+    index = np.zeros(num_dec, np.int32)
+    index[:total] = np.arange(total)
+    valid = np.zeros(num_dec, bool)
+    valid[:total] = True
+    start = np.zeros(num_rows, np.int32)
+    start[:nr] = start_R
+    length = np.zeros(num_rows, np.int32)
+    length[:nr] = n_R
+    off = np.zeros(num_rows, np.int32)
+    off[:nr] = off_R
+    want = np.asarray(logits_idx, np.int64)
+    asked = want >= 0
+    if np.any(asked & (want >= total)):  # past the step's tokens: not a decoder token
+        t = int(want[asked & (want >= total)][0])
+        raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
+    li = np.zeros(num_logits, np.int32)
+    li[: len(want)] = np.where(asked, want, 0)
     return DecoderView(index, valid, start, length, off, li)
