@@ -943,3 +943,27 @@ def test_soak_under_preemption_and_eviction(async_sched):
     assert eng.scheduler.pool.evictions >= 100, eng.scheduler.pool.evictions
     assert eng.scheduler.pool.hits > 0
     assert _full_outputs(outs) == _full_outputs(ref)
+
+
+def _plans(rec) -> list:
+    return [[dataclasses.astuple(r) for r in out.rows] + [sorted(out.preempted)] for _, out, _ in rec.log]
+
+
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_decode_fast_path_plans_what_the_general_path_plans(async_sched, monkeypatch):
+    """``Scheduler._decode_row`` (steady decode rows) duplicates ``_num_new_tokens`` + ``_row``
+    for speed: with it off, every step's plan (every field of every row, the preemptions) and
+    every output are the same, under chunked prompts, prefix hits and evictions, preemptions,
+    stop ids, min_tokens bans and prompt logprobs."""
+    reqs = soak_workload(seed=12, n=80)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, async_scheduling=async_sched,
+              num_blocks=24)
+    outs, eng, _, rec = run(make_ec(**kw), reqs, record=True)
+    assert eng.scheduler.num_preemptions > 0 and eng.scheduler.pool.hits > 0
+    monkeypatch.setattr(Scheduler, "decode_fast_path", False)
+    ref, _, _, ref_rec = run(make_ec(**kw), reqs, record=True)
+    assert _plans(rec) == _plans(ref_rec)
+    assert _full_outputs(outs) == _full_outputs(ref)
+    # the fast path did plan most decode rows (the comparison is not vacuous)
+    n_decode = sum(1 for _, out, _ in rec.log for r in out.rows if not r.is_prefill and r.num_tokens == 1)
+    assert n_decode > 500

@@ -62,6 +62,10 @@ from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  #
 
 
 class Scheduler:
+    # steady decode rows planned by _decode_row (the general path plans the same rows, slower;
+    # tests/test_scheduler.py compares the two)
+    decode_fast_path = True
+
     def __init__(self, ec, max_model_len: int | None = None, history_tokens: int = 0, epochs=None):
         """``ec``: a resolved ``EngineConfig``; ``history_tokens``: tokens before each row's start
         that its ``history`` carries (the runner's Engram look-back, ``max_ngram_size - 1``);
@@ -158,7 +162,7 @@ class Scheduler:
         preempted: list[str] = []
         self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
-        fast = not self.num_draft_tokens  # steady decode rows take _decode_row (no drafts to plan)
+        fast = self.decode_fast_path and not self.num_draft_tokens  # steady decode rows: _decode_row
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if fast:
