@@ -23,7 +23,10 @@ same jitted step; the fixed rows are Algorithm 1 switched off in its scheduler),
 compiles two engines, not three; ``init_and_compile_s`` is 0 for the mode that reuses it. That
 engine also compiles plain steps (``spec_plain_steps``, on with varlen), which only varlen runs:
 the table's ``plain steps`` column counts them. ``--engine '{"spec_plain_steps": false}'``
-measures varlen without them.
+measures varlen without them. Each row also keeps the measured decode-step times per bucket and
+step kind (``decode_step_ms``) and varlen's step-time curves, start-up profile and learned
+(``step_time_model_ms``): where varlen plans shorter rows than pay, they show whether its cost
+model or its acceptance estimates are off.
 """
 
 from __future__ import annotations
@@ -75,6 +78,33 @@ def hottest(prof, n: int, steps: int) -> list[dict]:
         rows.append(dict(function=f"{os.path.basename(file)}:{line}:{fn}", calls_per_step=nc / max(steps, 1),
                          own_ms_per_step=1e3 * tt / max(steps, 1), cum_ms_per_step=1e3 * ct / max(steps, 1)))
     return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:n]
+
+
+def decode_step_ms(llm) -> dict:
+    """Measured decode-only steps (no prompt tokens) of the last wave: median ms and count per
+    padded bucket and step kind (``verify``: the spec step with verification slots, ``plain``:
+    without, ``none``: an engine without speculation)."""
+    import statistics
+
+    spec = getattr(llm.engine.scheduler, "num_draft_tokens", 0) > 0
+    groups: dict[str, list[float]] = {}
+    for st in llm.stats.steps:
+        if st.num_prefill_tokens:
+            continue
+        kind = ("plain" if st.spec_plain else "verify") if spec else "none"
+        groups.setdefault(f"{kind} {st.bucket_tokens}", []).append(st.step_time_s)
+    return {k: {"p50_ms": 1e3 * statistics.median(v), "steps": len(v)} for k, v in sorted(groups.items())}
+
+
+def step_time_model_ms(llm) -> dict:
+    """Varlen's step-time curves after the run (what its plan used) next to their start-up
+    profile, per profiled bucket: ``{kind: {bucket: [start-up ms, learned ms]}}``; empty without
+    varlen's estimators."""
+    out = {}
+    for kind, est in (("verify", llm.engine.forward_estimator), ("plain", llm.engine.plain_estimator)):
+        if est is not None:
+            out[kind] = {int(b): [1e3 * est.base(b), 1e3 * est.seconds(b)] for b in est.tokens}
+    return out
 
 
 def main(argv=None) -> int:
@@ -210,6 +240,7 @@ def main(argv=None) -> int:
                 if prof is not None:
                     prof.disable()
                 s = llm.stats.summary()
+                s["decode_step_ms"] = decode_step_ms(llm)
                 if prof is not None:
                     s["cprofile_hottest"] = hottest(prof, args.cprofile, s["steps"])
                 waves.append((s, sum(len(o.outputs[0].token_ids) for o in outs)))
@@ -217,7 +248,7 @@ def main(argv=None) -> int:
             tps = [w[0]["generated_tokens_per_s"] for w in waves]
             s, n_out = sorted(waves, key=lambda w: w[0]["generated_tokens_per_s"])[(len(waves) - 1) // 2]
             rows.append(dict(concurrency=C, mode=mode, init_and_compile_s=init_s, output_tokens=n_out,
-                             waves_generated_tokens_per_s=tps, **s))
+                             waves_generated_tokens_per_s=tps, step_time_model_ms=step_time_model_ms(llm), **s))
             spread = f" (waves {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
             print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s{spread}, {s['steps']} steps, "
                   f"tau {s['mean_accepted_length'] or 1.0:.2f}, {s['spec_plain_steps']} plain steps", flush=True)
