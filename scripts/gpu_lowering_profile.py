@@ -8,7 +8,9 @@ variants for CUDA with the GPU kernels chosen, on this machine, without a GPU: J
 default backend is ``gpu`` and the target an SM90 device (an H200) while the steps are traced.
 Nothing is compiled or run. Per variant it prints the trace and lowering seconds and the Pallas
 launch sites in the module (Triton and Mosaic GPU custom calls); ``--top N`` adds the N most
-expensive functions of the lowering (cProfile, cumulative).
+expensive functions of the lowering (cProfile, cumulative); ``--census N`` the N functions of
+this package that emit the most operations that start a GPU kernel or end a fusion (``op_census``: where a
+launch-bound step's kernels come from, roughly).
 
     python scripts/gpu_lowering_profile.py --model v41-small-code
     python scripts/gpu_lowering_profile.py --model v41-small-code --engine '{"spec_decode": "dspark"}' --top 25
@@ -53,8 +55,8 @@ def as_if_on_an_h200():
         jax.default_backend, gpu_info.get_gpu_info, moe_gmm.is_hopper = saved
 
 
-def lower_variant(runner, T: int, R: int, Td: int | None) -> tuple[float, float, str]:
-    """(trace s, lower s, module text) of one step variant, lowered for CUDA: the runner's own
+def lower_variant(runner, T: int, R: int, Td: int | None):
+    """(trace s, lower s, module text, closed jaxpr) of one step variant, lowered for CUDA: the runner's own
     step and arguments (``ModelRunner.step_inputs`` / ``step_call``) on a padding-only step."""
     import jax
 
@@ -68,7 +70,56 @@ def lower_variant(runner, T: int, R: int, Td: int | None) -> tuple[float, float,
         t1 = time.perf_counter()
         lowered = traced.lower(lowering_platforms=("cuda",))
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, lowered.as_text()
+    return t1 - t0, t2 - t1, lowered.as_text(), traced.jaxpr
+
+
+# primitives that start a kernel of their own or end a fusion on the GPU (XLA fuses elementwise
+# ops, slices, concatenations, transposes and most gathers into their neighbours)
+_KERNEL_STARTERS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin "
+    "dot_general ragged_dot pallas_call custom_call scatter scatter-add scatter_add scatter_mul scatter_min "
+    "scatter_max sort top_k cumsum cumprod cummax cummin cumlogsumexp dynamic_update_slice "
+    "optimization_barrier while cond random_bits threefry2x32 fft".split())
+_TRANSPARENT = frozenset(("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"))
+
+
+def op_census(closed_jaxpr) -> dict:
+    """Operations of a traced step per function of this package that emitted them (the innermost
+    ``deepinfer_jax`` frame): ``{function: [all ops, kernel-starting ops]}`` (``_KERNEL_STARTERS``). Nested jits
+    are walked through, a Pallas kernel counts as one op, a scan body counts ``length`` times. A
+    proxy for where the GPU step's kernels come from (XLA's fusion decides the real count)."""
+    from jax.extend import core as jcore
+
+    counts: dict[str, list[int]] = {}
+
+    def where(eqn) -> str:
+        tb = eqn.source_info.traceback
+        for f in (tb.frames if tb is not None else ()):
+            if "deepinfer_jax/" in f.file_name:
+                return f.file_name.split("deepinfer_jax/")[-1] + ":" + f.function_name
+        return "(outside the package)"
+
+    def walk(jaxpr, mult: int) -> None:
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            subs = []
+            if name != "pallas_call":
+                for v in e.params.values():
+                    for x in (v if isinstance(v, (list, tuple)) else (v,)):
+                        if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                            subs.append(x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x)
+            if subs:
+                m = mult * (e.params.get("length", 1) if name == "scan" else 1)
+                for sj in subs:
+                    walk(sj, m)
+                if name in _TRANSPARENT:
+                    continue
+            c = counts.setdefault(where(e), [0, 0])
+            c[0] += mult
+            c[1] += mult * (name in _KERNEL_STARTERS)
+
+    walk(closed_jaxpr.jaxpr, 1)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1][1]))
 
 
 def main(argv=None) -> int:
@@ -77,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="{}", help="JSON of LLM keyword arguments")
     ap.add_argument("--variants", type=int, default=None, help="lower only the first N variants")
     ap.add_argument("--top", type=int, default=0, help="print the N costliest functions of the lowering")
+    ap.add_argument("--census", type=int, default=0, metavar="N",
+                    help="per variant, the N functions of this package emitting the most kernel-starting ops")
     ap.add_argument("--out", default=None, help="JSON path (default: none)")
     args = ap.parse_args(argv)
     kw = json.loads(args.engine)
@@ -96,7 +149,7 @@ def main(argv=None) -> int:
     with as_if_on_an_h200():
         for T, R, Td in variants:
             prof.enable()
-            tr, lo, text = lower_variant(runner, T, R, Td)
+            tr, lo, text, jaxpr = lower_variant(runner, T, R, Td)
             prof.disable()
             row = {"T": T, "R": R, "Td": Td, "trace_s": tr, "lower_s": lo,
                    "triton_sites": text.count("__gpu$xla.gpu.triton"),
@@ -104,6 +157,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{T:>6} {R:>5} {str(Td):>6} {tr:8.2f} {lo:8.2f} {row['triton_sites']:>7} {row['mosaic_gpu_sites']:>7}",
                   flush=True)
+            if args.census:
+                census = op_census(jaxpr)
+                row["op_census"] = census
+                tot = [sum(c[0] for c in census.values()), sum(c[1] for c in census.values())]
+                print(f"    ops {tot[0]}, kernel-starting {tot[1]}; by function (all / kernel-starting):")
+                for fn_name, (a, u) in list(census.items())[:args.census]:
+                    print(f"    {a:6d} {u:6d}  {fn_name}")
     tot_t, tot_l = sum(r["trace_s"] for r in rows), sum(r["lower_s"] for r in rows)
     print(f"{len(rows)} variants: trace {tot_t:.1f} s, lower {tot_l:.1f} s (this host, jax {jax.__version__})")
     if args.top:
