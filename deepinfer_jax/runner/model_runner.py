@@ -375,9 +375,11 @@ class ModelRunner:
         plain steps beside verification steps."""
         return (False, True) if self.spec_plain else (False,)
 
-    def profile_buckets(self, repeats: int = 2) -> dict[int, float]:
+    def profile_buckets(self, repeats: int = 2, max_repeats: int = 8, budget_s: float = 0.05) -> dict[int, float]:
         """Seconds of one (padding-only) step at each token bucket, the fastest of ``repeats``
-        runs of its compiled variant with the most rows: the start-up curve of the varlen
+        runs (after warm-up's first run), and of up to ``max_repeats`` while a bucket has taken
+        less than ``budget_s`` (millisecond GPU steps get more runs against launch jitter, slow
+        CPU steps no more start-up time), of its compiled variant with the most rows: the start-up curve of the varlen
         planner's SPS (speculative decoding). Stored as ``bucket_seconds``, and the plain steps'
         curve (``spec_plain``) as ``plain_bucket_seconds``."""
         for plain in self.step_kinds():
@@ -387,11 +389,13 @@ class ModelRunner:
                 if not vs:
                     continue
                 v = max(vs, key=lambda v: (v[1], v[2] or 0))
-                best = float("inf")
-                for _ in range(repeats):
+                best, spent, n = float("inf"), 0.0, 0
+                while n < repeats or (n < max_repeats and spent < budget_s):
                     h = self._dispatch(_empty_step(plain), *v)
                     h.fetch()
                     best = min(best, h.t_done - h.t_dispatch)
+                    spent += h.t_done - h.t_dispatch
+                    n += 1
                 out[T] = best
             if plain:
                 self.plain_bucket_seconds = out
