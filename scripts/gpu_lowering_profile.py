@@ -187,8 +187,12 @@ def main(argv=None) -> int:
                     print(f"    {a:6d} {u:6d}  {fn_name}")
     tot_t, tot_l = sum(r["trace_s"] for r in rows), sum(r["lower_s"] for r in rows)
     tot_m, tot_tr = sum(r["mosaic_gpu_lowering_s"] for r in rows), sum(r["triton_lowering_s"] for r in rows)
+    from deepinfer_jax.kernels_pallas import mosaic_lowering_cache
+
+    memo = mosaic_lowering_cache.stats() if mosaic_lowering_cache.installed() else None
     print(f"{len(rows)} variants: trace {tot_t:.1f} s, lower {tot_l:.1f} s, of which the Pallas kernels' own lowering "
-          f"(under the profiler) Mosaic GPU {tot_m:.1f} s, Triton {tot_tr:.1f} s (this host, jax {jax.__version__})")
+          f"(under the profiler) Mosaic GPU {tot_m:.1f} s, Triton {tot_tr:.1f} s (this host, jax {jax.__version__}); "
+          + (f"Mosaic lowering memo: {memo['misses']} lowered, {memo['hits']} reused" if memo else "no Mosaic lowering memo"))
     if args.top:
         s = io.StringIO()
         pstats.Stats(*profs, stream=s).sort_stats("cumulative").print_stats(args.top)
@@ -197,6 +201,7 @@ def main(argv=None) -> int:
         import datetime
 
         meta = {"model": args.model, "engine": kw, "jax": jax.__version__, "host_platform": jax.default_backend(),
+                "mosaic_lowering_memo": memo,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
