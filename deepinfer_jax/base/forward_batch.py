@@ -29,6 +29,7 @@ token (``base/cp_layout.py``); ``None`` computes every token on every device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Sequence
 
@@ -125,16 +126,27 @@ def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_
         num_logits=num_logits, num_decoder_tokens=num_decoder_tokens, cp_devices=cp_devices)
 
 
+@functools.lru_cache(maxsize=64)
+def arange_of(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64), made once per length and read-only: a per-bucket constant of
+    the step builders."""
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
+
+
 def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]], floors, dec_floors,
                cache_starts, *, engram_ids=None, num_tokens: int, num_rows: int, max_blocks: int,
                num_slots: int, n_engram_layers: int, n_hash_cols: int,
                logits: str | Sequence[int] | np.ndarray = "last", num_logits: int | None = None,
-               num_decoder_tokens: int | None = None, cp_devices: int | None = None) -> ForwardBatch:
+               num_decoder_tokens: int | None = None, cp_devices: int | None = None,
+               one_token_rows: bool | None = None) -> ForwardBatch:
     """``build_batch`` from per-row arrays, without a Python loop over rows (the engine's hot
     path): ``token_ids`` the rows' tokens concatenated, ``lengths`` / ``starts`` / ``slots`` /
     ``floors`` / ``dec_floors`` (already ``>= floors``) / ``cache_starts`` one entry per row,
     ``blocks`` each row's block ids, ``engram_ids`` ``[total, n_engram_layers, n_hash_cols]`` or
-    None (zeros)."""
+    None (zeros). ``one_token_rows``: whether every row has one token (decode steps; None:
+    read from ``lengths``), which skips the token -> row maps."""
     n_R = np.asarray(lengths, np.int64)
     nr = n_R.shape[0]
     total = int(n_R.sum())
@@ -142,15 +154,21 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
         raise ValueError(f"num_tokens={num_tokens} < {total} tokens in the step")
     if nr > num_rows:
         raise ValueError(f"num_rows={num_rows} < {nr} rows in the step")
-    off_R = np.zeros(nr, np.int64)
-    np.cumsum(n_R[:-1], out=off_R[1:])
+    if one_token_rows is None:
+        one_token_rows = bool(nr) and total == nr and int(n_R.min()) == 1
     start_R = np.asarray(starts, np.int64)
-    row_of_t = np.repeat(np.arange(nr), n_R)                  # [total]
-    j_t = np.arange(total) - off_R[row_of_t]                   # index of each token in its row
+    if one_token_rows:  # token t is row t's only token
+        off_R = row_of_t = arange_of(nr)
+        j_t = None
+    else:
+        off_R = np.zeros(nr, np.int64)
+        np.cumsum(n_R[:-1], out=off_R[1:])
+        row_of_t = np.repeat(arange_of(nr), n_R)                 # [total]
+        j_t = arange_of(total) - off_R[row_of_t]                 # index of each token in its row
     tok = np.zeros(num_tokens, np.int32)
     tok[:total] = token_ids
     pos = np.zeros(num_tokens, np.int32)
-    pos[:total] = start_R[row_of_t] + j_t
+    pos[:total] = start_R if j_t is None else start_R[row_of_t] + j_t
     trow = np.zeros(num_tokens, np.int32)
     trow[:total] = row_of_t
     valid = np.zeros(num_tokens, bool)
@@ -166,13 +184,17 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
     length[:nr] = n_R
     off = np.zeros(num_rows, np.int32)
     off[:nr] = off_R
-    nb_R = np.fromiter((len(b) for b in blocks), np.int64, nr)
-    if nr and nb_R.max() > max_blocks:
+    nb_R = np.fromiter(map(len, blocks), np.int64, nr)
+    nb_max = int(nb_R.max()) if nr else 0
+    if nb_max > max_blocks:
         i = int(np.argmax(nb_R > max_blocks))
         raise ValueError(f"row {i}: {int(nb_R[i])} blocks > max_blocks={max_blocks}")
     bt = np.zeros((num_rows, max_blocks), np.int32)
-    bt[:nr][np.arange(max_blocks)[None, :] < nb_R[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(blocks), np.int64, int(nb_R.sum()))
+    flat_blocks = np.fromiter(itertools.chain.from_iterable(blocks), np.int64, int(nb_R.sum()))
+    if nr and int(nb_R.min()) == nb_max:  # every row as many blocks (usual in decode)
+        bt[:nr, :nb_max] = flat_blocks.reshape(nr, nb_max)
+    else:
+        bt[:nr][arange_of(max_blocks)[None, :] < nb_R[:, None]] = flat_blocks
     floor = np.zeros(num_rows, np.int32)
     floor[:nr] = floors
     dfloor = np.zeros(num_rows, np.int32)
@@ -227,6 +249,8 @@ def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_
     off = np.zeros(num_rows, np.int32)
     off[:nr] = odec_R
     n_full = row_of_t.shape[0]
+    if j_t is None:  # (one token a row)
+        j_t = np.zeros(n_full, np.int64)
     kept = j_t >= first_R[row_of_t]
     full_to_dec = np.full(n_full + 1, -1, np.int64)  # flat token -> decoder token (-1: not kept)
     full_to_dec[:n_full][kept] = odec_R[row_of_t[kept]] + j_t[kept] - first_R[row_of_t[kept]]

@@ -82,19 +82,22 @@ class SchedulerOutput:
     spec_plain: bool = False
 
     @functools.cached_property
-    def _counts(self) -> tuple[int, int, int]:
-        """(tokens, prompt tokens, decoder tokens) of the step, in one pass over the rows (the
-        rows are not changed once planned)."""
+    def _counts(self) -> tuple[int, int, int, bool]:
+        """(tokens, prompt tokens, decoder tokens, whether a row wants prompt logprobs) of the
+        step, in one pass over the rows (the rows are not changed once planned)."""
         total = prefill = decoder = 0
+        plp = False
         for r in self.rows:
             n = len(r.token_ids)
             total += n
             if r.is_prefill:
                 prefill += n
+            if r.prompt_logprobs:
+                plp = True
             # r.num_decoder_tokens, inlined (a property call per row and step)
             skip = r.dec_floor - r.start
             decoder += n if skip <= 0 else n - min(skip, n)
-        return total, prefill, decoder
+        return total, prefill, decoder, plp
 
     @property
     def num_tokens(self) -> int:
@@ -118,4 +121,4 @@ class SchedulerOutput:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return any(r.prompt_logprobs for r in self.rows)
+        return self._counts[3]

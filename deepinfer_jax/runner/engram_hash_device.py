@@ -34,6 +34,7 @@ Dead tokens (``live`` in ``hash_positions``) are not supported: every history to
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +63,14 @@ _MASK16 = 0xFFFF
 
 def split_u64(values: np.ndarray) -> np.ndarray:
     """Nonnegative int64 values -> uint32 (hi, lo) words, shape ``values.shape + (2,)``."""
-    v = np.asarray(values, dtype=np.int64).astype(np.uint64)
-    hi = (v >> np.uint64(32)).astype(np.uint32)
-    lo = (v & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return np.stack([hi, lo], axis=-1)
+    u = np.array(values, dtype=np.int64, copy=None, order="C").view(np.uint64)
+    if _LITTLE_ENDIAN:  # the value with its halves swapped holds (hi, lo) in memory order
+        f = u.reshape(-1)
+        return ((f << np.uint64(32)) | (f >> np.uint64(32))).view(np.uint32).reshape(u.shape + (2,))
+    return np.stack([(u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=-1)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def host_partials(
@@ -116,8 +121,9 @@ def window_partials(hasher: EngramHasher, window_nK: np.ndarray) -> np.ndarray:
 
 def _partials_compressed(hasher: EngramHasher, t_nK1: np.ndarray) -> np.ndarray:
     # [n, L, K-1]; no overflow: t < compressed size, multiplier < int64_max // compressed size.
-    prods_nLK1 = t_nK1[:, None, :] * hasher.multipliers[None, :, 1:]
-    partial_nLK1 = np.bitwise_xor.accumulate(prods_nLK1, axis=2)
+    partial_nLK1 = t_nK1[:, None, :] * hasher.multipliers[None, :, 1:]
+    for k in range(1, partial_nLK1.shape[2]):  # the running XOR over shifts, in place (K-1 is small)
+        partial_nLK1[:, :, k] ^= partial_nLK1[:, :, k - 1]
     return split_u64(partial_nLK1)
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import jax
 import numpy as np
 
 from deepinfer_jax.runner.engram_hash_device import window_partials
-from deepinfer_jax.base.forward_batch import ForwardBatch, pack_batch
+from deepinfer_jax.base.forward_batch import ForwardBatch, arange_of, pack_batch
 from deepinfer_jax.sampling.sampler import SamplingBatch, sampling_batch_of
 
 
@@ -62,7 +63,30 @@ def pick_bucket(n: int, buckets) -> int:
 
 def banned_width(sched) -> int:
     """Banned ids per sampler row of a step: ``NUM_BANNED``, or more when a row bans more."""
-    return max(NUM_BANNED, max((len(r.banned) for r in sched.rows), default=0))
+    return max(NUM_BANNED, max(map(len, map(_banned, sched.rows)), default=0))
+
+
+# the rows' fields, read a column at a time (attrgetter + fromiter: no Python frame per row)
+_tokens = operator.attrgetter("token_ids")
+_start = operator.attrgetter("start")
+_prev_row = operator.attrgetter("prev_row")
+_sample = operator.attrgetter("sample")
+_slot = operator.attrgetter("slot")
+_blocks = operator.attrgetter("blocks")
+_floor = operator.attrgetter("floor")
+_dec_floor = operator.attrgetter("dec_floor")
+_cache_start = operator.attrgetter("cache_start")
+_params = operator.attrgetter("params")
+_seed = operator.attrgetter("seed")
+_banned = operator.attrgetter("banned")
+_history = operator.attrgetter("history")
+_num_drafts = operator.attrgetter("num_drafts")
+
+
+def _one_token_rows(n_R: np.ndarray, total: int) -> bool:
+    """Whether every row has one token (decode steps): the fast paths' condition (a test turns
+    them off here to compare with the general path)."""
+    return total == n_R.shape[0] > 0 and int(n_R.min()) == 1
 
 
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
@@ -85,35 +109,47 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     Kv = K if verify_slots is None else verify_slots
     if not 0 <= Kv <= K:
         raise ValueError(f"verify_slots={verify_slots}: must be in [0, spec_slots={K}]")
-    toks_R = [r.token_ids for r in rows]
+    toks_R = list(map(_tokens, rows))
     n_R = np.fromiter(map(len, toks_R), np.int64, nr)
     total = int(n_R.sum())
-    off_R = np.zeros(nr, np.int64)
-    np.cumsum(n_R[:-1], out=off_R[1:])
-    start_R = np.fromiter((r.start for r in rows), np.int64, nr)
-    prev_R = np.fromiter((r.prev_row for r in rows), np.int64, nr)
-    sample_R = np.fromiter((r.sample for r in rows), bool, nr)
-    device_R = (np.fromiter((r.spec_ctx is not None for r in rows), bool, nr) if K else np.zeros(nr, bool))
+    one = _one_token_rows(n_R, total)
+    if one:  # the flat token of row r is token r
+        off_R = row_of_t = last_t = arange_of(nr)
+    else:
+        off_R = np.zeros(nr, np.int64)
+        np.cumsum(n_R[:-1], out=off_R[1:])
+        row_of_t = np.repeat(arange_of(nr), n_R)
+        last_t = off_R + n_R - 1  # each row's last flat token
+    start_R = np.fromiter(map(_start, rows), np.int64, nr)
+    prev_R = np.fromiter(map(_prev_row, rows), np.int64, nr)
+    sample_R = np.fromiter(map(_sample, rows), bool, nr)
+    device_R = (np.fromiter((r.spec_ctx is not None for r in rows), bool, nr) if K else None)
     tok_t = np.fromiter(itertools.chain.from_iterable(toks_R), np.int64, total)
-    row_of_t = np.repeat(np.arange(nr), n_R)
-    last_t = off_R + n_R - 1  # each row's last flat token
 
     # placeholders: a row's last token was sampled by the previous step (device rows: all tokens)
-    ph_R = (prev_R >= 0) & ~device_R
+    ph_R = prev_R >= 0
+    if device_R is not None and device_R.any():
+        ph_R &= ~device_R
+        tok_t[device_R[row_of_t]] = 0
+    else:
+        device_R = None  # no device rows (every row's tokens are on the host)
+    ph_last_t = last_t[ph_R]
     prev = np.full(num_tokens, -1, np.int32)
-    prev[last_t[ph_R]] = prev_R[ph_R]
-    tok_t[last_t[ph_R]] = 0
-    tok_t[device_R[row_of_t]] = 0
+    prev[ph_last_t] = prev_R[ph_R]
+    tok_t[ph_last_t] = 0
 
     n_layers = hasher.n_layers if hasher is not None else 0
     partials = eids = None
     if hasher is not None:
         partials = np.zeros((num_tokens, n_layers, hasher.max_ngram_size - 1, 2), np.uint32)
-        eids = _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials)
+        eids = _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials, one)
 
     drafts = n_drafts = ban_slots = spec_prev = spec_ctx = None
+    nd_R = np.fromiter(map(_num_drafts, rows), np.int64, nr) if K else None
+    banned = list(map(_banned, rows))
     if K:
-        nd_R = np.fromiter((r.num_drafts for r in rows), np.int64, nr)
+        if device_R is None:
+            device_R = np.zeros(nr, bool)
         if nr and nd_R.max() > Kv:
             i = int(np.argmax(nd_R > Kv))
             raise ValueError(f"row of request {rows[i].request_id!r}: {int(nd_R[i])} drafts > {Kv} verification slots")
@@ -129,7 +165,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         n_drafts = np.zeros(num_rows, np.int32)
         n_drafts[:nr] = nd_R
         ban_slots = np.zeros(num_rows, np.int32)
-        ban_slots[:nr] = np.fromiter((r.ban_slots if r.banned else 0 for r in rows), np.int32, nr)
+        ban_slots[:nr] = np.fromiter((r.ban_slots if b else 0 for r, b in zip(rows, banned)), np.int32, nr)
         H = hasher.max_ngram_size - 1 if hasher is not None else 0
         spec_prev = np.full(num_rows, -1, np.int32)
         spec_ctx = np.full((num_rows, H + K), -1, np.int32)
@@ -138,7 +174,10 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             spec_ctx[i, :len(rows[i].spec_ctx)] = rows[i].spec_ctx
     else:
         logit_rows = np.full(num_rows, -1, np.int64)
-        logit_rows[:nr] = np.where(sample_R, last_t, -1)
+        if nr and sample_R.all():
+            logit_rows[:nr] = last_t
+        else:
+            logit_rows[:nr] = np.where(sample_R, last_t, -1)
 
     targets = None
     if prompt_lp:
@@ -150,25 +189,32 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             targets[o:o + m] = rows[i].prompt_targets
         logit_rows = np.concatenate([logit_rows, plp_rows])
     cc = cache_config
-    floor_R = np.fromiter((r.floor for r in rows), np.int64, nr)
+    floor_R = np.fromiter(map(_floor, rows), np.int64, nr)
     batch = pack_batch(
-        tok_t, n_R, start_R, np.fromiter((r.slot for r in rows), np.int64, nr), [r.blocks for r in rows],
-        floor_R, np.maximum(floor_R, np.fromiter((r.dec_floor for r in rows), np.int64, nr)),
-        np.fromiter((r.cache_start for r in rows), np.int64, nr), engram_ids=eids,
+        tok_t, n_R, start_R, np.fromiter(map(_slot, rows), np.int64, nr), list(map(_blocks, rows)),
+        floor_R, np.maximum(floor_R, np.fromiter(map(_dec_floor, rows), np.int64, nr)),
+        np.fromiter(map(_cache_start, rows), np.int64, nr), engram_ids=eids,
         num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq, num_slots=cc.num_slots,
         n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
         logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens,
-        cp_devices=cp_devices)
+        cp_devices=cp_devices, one_token_rows=one)
     # sampler row i is the plan's row i; rows that do not sample are greedy padding
-    samp_R = np.flatnonzero(sample_R)
-    srows = rows if len(samp_R) == nr else [rows[i] for i in samp_R]  # (usually every row samples)
-    nd_R = np.fromiter((r.num_drafts for r in srows), np.int64, len(srows)) if K else 0
-    sampling = sampling_batch_of(samp_R, [r.params for r in srows], [r.seed for r in srows],
-                                 start_R[samp_R] + n_R[samp_R] - nd_R,  # ScheduledRow.sample_position
-                                 [r.banned for r in srows], num_rows, vocab,
-                                 num_banned=banned_width(sched) if num_banned is None else num_banned)
+    if num_banned is None:
+        num_banned = max(NUM_BANNED, max(map(len, banned), default=0))  # banned_width(sched)
+    pos_R = start_R + n_R  # ScheduledRow.sample_position
+    if nd_R is not None:
+        pos_R -= nd_R
+    if nr and sample_R.all():  # (usually every row samples)
+        samp_R, srows, sbanned = arange_of(nr), rows, banned
+    else:
+        samp_R = np.flatnonzero(sample_R)
+        srows = [rows[i] for i in samp_R]
+        sbanned = [banned[i] for i in samp_R]
+        pos_R = pos_R[samp_R]
+    sampling = sampling_batch_of(samp_R, list(map(_params, srows)), list(map(_seed, srows)), pos_R,
+                                 sbanned, num_rows, vocab, num_banned=num_banned)
     # one compiled sampler for every batch composition (no static fast paths)
-    sampling = dataclasses.replace(sampling, all_greedy=False, needs_filter=True)
+    sampling.all_greedy, sampling.needs_filter = False, True
     allowed = None
     masks = sched.grammar_masks
     if with_masks if with_masks is not None else bool(masks):
@@ -185,9 +231,12 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
                      ban_slots_R=ban_slots, spec_prev_row_R=spec_prev, spec_ctx_RC=spec_ctx, allowed_RW=allowed)
 
 
-def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2) -> np.ndarray:
+def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2,
+                one: bool = False) -> np.ndarray | None:
     """Engram table rows of every known token of the host-hashed rows ([total, layers, cols],
-    zeros elsewhere), and (into ``partials_TLK2``) the partial hashes of their placeholders.
+    zeros elsewhere; None: no known token, all zeros), and (into ``partials_TLK2``) the partial
+    hashes of their placeholders. ``device_R``: None when every row is host-hashed; ``one``:
+    every row has one token (``off_R`` = ``row_of_t`` = ``last_t`` = 0..nr-1).
 
     A row's ``history`` holds the known tokens of positions ``[w0, start + known)``, ``w0 =
     max(start - (K-1), 0)``: every look-back of its tokens. All rows' histories are
@@ -195,27 +244,41 @@ def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, las
     position 0)."""
     Km1 = hasher.max_ngram_size - 1
     nr = len(rows)
-    host_R = ~device_R
     known_R = n_R - ph_R
     w0_R = np.maximum(start_R - Km1, 0)
-    if host_R.all():  # (the common case: no device rows)
-        hist = [r.history for r in rows]
+    if device_R is None:  # (the common case: no device rows)
+        hist = list(map(_history, rows))
     else:
-        hist = [rows[i].history if host_R[i] else () for i in range(nr)]
+        hist = [rows[i].history if not device_R[i] else () for i in range(nr)]
     try:
         hl_R = np.fromiter(map(len, hist), np.int64, nr)
     except TypeError:  # a row without history (-1: named below)
         hl_R = np.fromiter((len(h) if h is not None else -1 for h in hist), np.int64, nr)
-    bad = host_R & (hl_R != start_R + known_R - w0_R)
+    want_R = start_R + known_R - w0_R
+    bad = hl_R != want_R if device_R is None else ~device_R & (hl_R != want_R)
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"row of request {rows[i].request_id!r}: history holds "
                          f"{None if hist[i] is None else len(hist[i])} tokens, Engram needs "
                          f"{int(start_R[i] + known_R[i] - w0_R[i])} (Scheduler(history_tokens={Km1}))")
-    hl_R = np.where(host_R, hl_R, 0)
+    if device_R is not None:
+        hl_R = np.where(device_R, 0, hl_R)
+    hist_flat = np.fromiter(itertools.chain.from_iterable(hist), np.int64, int(hl_R.sum()))
+    if one and device_R is None and nr and int(start_R.min()) >= Km1:
+        # one-token rows past the first K-1 positions (decode steps): every history is the
+        # full look-back (plus the token when known), so the windows are its rows reversed
+        n_ph = int(ph_R.sum())
+        if n_ph == nr:  # every token a placeholder (async decode): partial hashes only
+            win_tK = np.empty((nr, Km1 + 1), np.int64)
+            win_tK[:, 0] = -1
+            win_tK[:, 1:] = hist_flat.reshape(nr, Km1)[:, ::-1]
+            partials_TLK2[:nr] = window_partials(hasher, win_tK)
+            return None
+        if n_ph == 0:  # every token known (sync decode)
+            return hasher.hash_windows(hist_flat.reshape(nr, Km1 + 1)[:, ::-1])
+    host_R = ~device_R if device_R is not None else np.ones(nr, bool)
     hoff_R = np.zeros(nr, np.int64)
     np.cumsum(hl_R[:-1], out=hoff_R[1:])
-    hist_flat = np.fromiter(itertools.chain.from_iterable(hist), np.int64, int(hl_R.sum()))
     total = row_of_t.shape[0]
     pos_t = start_R[row_of_t] + np.arange(total) - off_R[row_of_t]
     src_tK = pos_t[:, None] - np.arange(Km1 + 1)[None, :]          # positions p - k
@@ -228,8 +291,9 @@ def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, las
     look = (src_tK >= 0) & (host_t[:, None])
     look[is_ph_t, 0] = False  # the placeholder's own token is on the device
     win_tK[look] = hist_flat[idx_tK[look]]
-    eids = np.zeros((total, hasher.n_layers, hasher.n_hash_cols), np.int64)
+    eids = None
     if known_t.any():
+        eids = np.zeros((total, hasher.n_layers, hasher.n_hash_cols), np.int64)
         eids[known_t] = hasher.hash_windows(win_tK[known_t])
     if is_ph_t.any():
         partials_TLK2[:total][is_ph_t] = window_partials(hasher, win_tK[is_ph_t])

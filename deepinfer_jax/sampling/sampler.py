@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from typing import NamedTuple, Sequence
 
 import jax
@@ -131,6 +133,15 @@ def build_sampling_batch(rows: Sequence[SampleRow | tuple], num_rows: int, vocab
     return sampling_batch_of(np.arange(len(rows)), params, seeds, positions, banned, num_rows, vocab, num_banned)
 
 
+def _row_index(row_R: np.ndarray) -> slice | np.ndarray:
+    """Where sampler rows ``row_R`` go: a slice when they are ``0..n-1`` (the engine's usual
+    step: slice writes instead of scattered ones), else ``row_R`` itself."""
+    n = row_R.shape[0]
+    if n and row_R[0] == 0 and row_R[-1] == n - 1 and bool((row_R[1:] > row_R[:-1]).all()):
+        return slice(0, n)
+    return row_R
+
+
 def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[int], positions,
                       banned: Sequence[Sequence[int]], num_rows: int, vocab: int,
                       num_banned: int | None = None) -> SamplingBatch:
@@ -145,25 +156,26 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
         num_banned = 1 << max(0, longest - 1).bit_length()
     elif longest > num_banned:
         raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
+    rows = _row_index(row_R)
 
     # one params object for every row (the common case): its values once; else a column each
     p0 = params[0] if n else None
-    if all(p is p0 for p in params):
-        vals = np.array([[p0.is_greedy, p0.temperature, p0.top_k, p0.top_p, p0.min_p]] if n else
-                        np.zeros((0, 5)), np.float64)[np.zeros(n, np.int64)]
+    if n and all(map(operator.is_, params, itertools.repeat(p0, n))):
+        vals = np.array([[p0.is_greedy, p0.temperature, p0.top_k, p0.top_p, p0.min_p]], np.float64)
     else:
-        vals = np.stack([np.fromiter((getattr(p, f) for p in params), np.float64, n)
+        vals = np.stack([np.fromiter(map(operator.attrgetter(f), params), np.float64, n)
                          for f in ("is_greedy", "temperature", "top_k", "top_p", "min_p")], axis=1)
+    # (a [1, 5] vals broadcasts over the rows)
     greedy = vals[:, 0] != 0
     temperature = np.zeros(num_rows, np.float32)
-    temperature[row_R] = np.where(greedy, 0.0, vals[:, 1])
+    temperature[rows] = np.where(greedy, 0.0, vals[:, 1])
     tk = vals[:, 2].astype(np.int64)
     top_k = np.zeros(num_rows, np.int32)
-    top_k[row_R] = np.where(~greedy & (tk > 0) & (tk < vocab), tk, 0)
+    top_k[rows] = np.where(~greedy & (tk > 0) & (tk < vocab), tk, 0)
     top_p = np.ones(num_rows, np.float32)
-    top_p[row_R] = np.where(greedy, 1.0, vals[:, 3])
+    top_p[rows] = np.where(greedy, 1.0, vals[:, 3])
     min_p = np.zeros(num_rows, np.float32)
-    min_p[row_R] = np.where(greedy, 0.0, vals[:, 4])
+    min_p[rows] = np.where(greedy, 0.0, vals[:, 4])
     try:
         seed_R = np.fromiter(seeds, np.uint64, n)  # OverflowError outside [0, 2**64)
     except OverflowError:
@@ -171,22 +183,23 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
             split_seed(int(s))  # raises, naming the seed
         raise
     seed = np.zeros((num_rows, 2), np.uint32)
-    seed[row_R, 0] = (seed_R >> np.uint64(32)).astype(np.uint32)
-    seed[row_R, 1] = (seed_R & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    seed[rows, 0] = seed_R >> np.uint64(32)
+    seed[rows, 1] = seed_R & np.uint64(0xFFFFFFFF)
     pos_R = np.asarray(positions, np.int64).reshape(n)
     out_of_range = (pos_R < 0) | (pos_R >= POSITION_LIMIT)
     if out_of_range.any():
         i = int(np.argmax(out_of_range))
         raise ValueError(f"row {int(row_R[i])}: position={positions[i]!r} out of range [0, 2**31)")
     position = np.zeros(num_rows, np.int32)
-    position[row_R] = pos_R
+    position[rows] = pos_R
     ban = np.full((num_rows, num_banned), -1, np.int32)
-    for i in (i for i, b in enumerate(banned) if b):
-        b = banned[i]
-        bad = [t for t in b if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"row {int(row_R[i])}: banned token ids {bad} out of range [0, {vocab})")
-        ban[row_R[i], :len(b)] = b
+    if longest:
+        for i in (i for i, b in enumerate(banned) if b):
+            b = banned[i]
+            bad = [t for t in b if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"row {int(row_R[i])}: banned token ids {bad} out of range [0, {vocab})")
+            ban[row_R[i], :len(b)] = b
     sampled = temperature >= SAMPLING_EPS
     needs_filter = bool(np.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))))
     return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
