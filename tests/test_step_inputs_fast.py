@@ -1,5 +1,6 @@
 """The step builder's fast paths for one-token rows (decode steps: ``build_step_input``'s
 token maps, ``_engram_ids``' reversed-history windows, ``pack_batch``'s ``one_token_rows``) and
+the decoder view of a step that skips no token (``forward_batch._full_decoder_view``) and
 the sampler's slice writes (``sampling.sampler._row_index``) give exactly the arrays of the
 general paths, on random decode steps: placeholders or known tokens, short and full Engram
 look-backs, equal and ragged block lists, rows that do not sample, shared and own params, bans,
@@ -11,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from deepinfer_jax.base import forward_batch
 from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput
 from deepinfer_jax.config import preset
 from deepinfer_jax.models.cache import CacheConfig
@@ -56,6 +58,7 @@ def _random_step(rng, hasher, nr: int) -> SchedulerOutput:
 
 def _general(monkeypatch):
     monkeypatch.setattr(step_inputs, "_one_token_rows", lambda n_R, total: False)
+    monkeypatch.setattr(forward_batch, "_no_skipped_tokens", lambda first_R: False)
     monkeypatch.setattr(sampler, "_row_index", lambda row_R: row_R)
 
 
@@ -108,3 +111,45 @@ def test_one_token_fast_path_keeps_the_history_check():
     with pytest.raises(ValueError, match="row of request 'r3': history holds"):
         step_inputs.build_step_input(sched, num_tokens=8, num_rows=8, num_decoder_tokens=None, cache_config=cc,
                                      hasher=hasher, vocab=VOCAB, prompt_lp=False)
+
+
+def test_sampling_reuse_equals_fresh_batches():
+    """``sampling_batch_of(reuse=...)`` over a run of steps (rows, params objects, seeds, bans,
+    widths changing or not between steps) gives every step the arrays of a fresh build, and the
+    reused arrays are read-only."""
+    rng = np.random.default_rng(2)
+    shared = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=7, min_p=0.05)]
+    reuse = sampler.SamplingReuse()
+    n, num_rows = 5, 8
+    params = [shared[0]] * n
+    seeds = rng.integers(0, 2**63, n).tolist()
+    hits = 0
+    for step in range(400):
+        change = rng.random()
+        if change < 0.1:
+            n = int(rng.integers(1, num_rows + 1))
+            params = [shared[int(rng.integers(3))] for _ in range(n)]
+            seeds = rng.integers(0, 2**63, n).tolist()
+        elif change < 0.2:
+            params = list(params)
+            params[int(rng.integers(n))] = SamplingParams(temperature=float(rng.uniform(0.1, 2)))
+        elif change < 0.3:
+            seeds = list(seeds)
+            seeds[int(rng.integers(n))] = int(rng.integers(0, 2**63))
+        elif change < 0.35:
+            num_rows = max(n, int(rng.integers(1, 12)))
+        else:
+            hits += 1
+        which = np.arange(n) if rng.random() < 0.9 else np.sort(rng.choice(num_rows, n, replace=False))
+        pos = rng.integers(0, 2**31, n)
+        banned = [rng.integers(0, 100, int(rng.integers(1, 3))).tolist() if rng.random() < 0.05 else []
+                  for _ in range(n)]
+        got = sampler.sampling_batch_of(which, params, list(seeds), pos, banned, num_rows, 100, num_banned=4,
+                                        reuse=reuse)
+        want = sampler.sampling_batch_of(which, params, list(seeds), pos, banned, num_rows, 100, num_banned=4)
+        for f in ("temperature", "top_k", "top_p", "min_p", "seed", "position", "banned_RB"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"step {step}: {f}")
+        assert (got.all_greedy, got.needs_filter) == (want.all_greedy, want.needs_filter), step
+    assert hits > 200
+    assert not got.temperature.flags.writeable or not isinstance(sampler._row_index(which), slice)

@@ -218,22 +218,24 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
     dec = None
     if num_decoder_tokens is not None:
         dec = _decoder_view(n_R, off_R, start_R, dfloor[:nr].astype(np.int64), row_of_t, j_t, li,
-                            num_decoder_tokens, num_rows, n_l)
+                            num_decoder_tokens, num_rows, n_l, (valid, start, length, off, li_arr))
     cp = mirror_layout(n_R, num_tokens, cp_devices) if cp_devices and cp_devices > 1 else None
     return ForwardBatch(tok, pos, trow, valid, eids, slot, start, length, off, bt, li_arr,
                         floor, dfloor, cstart, dec, cp)
 
 
 def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_dec: int, num_rows: int,
-                  num_logits: int) -> DecoderView:
+                  num_logits: int, own=None) -> DecoderView:
+    """``own``: the batch's (token_valid, row_start, row_len, row_token_offset, logits_indices),
+    which a view of every token shares."""
     nr = n_R.shape[0]
     first_R = np.minimum(np.maximum(dfloor_R - start_R, 0), n_R)  # first kept token of each row
     k_R = n_R - first_R
     n_dec = int(k_R.sum())
     if n_dec > num_dec:
         raise ValueError(f"num_decoder_tokens={num_dec} < decoder tokens in the step")
-    if not first_R.any():  # every token is a decoder token (decode steps): the view is the batch's own
-        return _full_decoder_view(n_R, off_R, start_R, n_dec, logits_idx, num_dec, num_rows, num_logits)
+    if _no_skipped_tokens(first_R):  # every token is a decoder token (decode steps): the view is the batch's own
+        return _full_decoder_view(n_R, off_R, start_R, n_dec, logits_idx, num_dec, num_rows, num_logits, own)
     odec_R = np.zeros(nr, np.int64)
     np.cumsum(k_R[:-1], out=odec_R[1:])
     row_of_d = np.repeat(np.arange(nr), k_R)
@@ -265,13 +267,29 @@ def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_
     return DecoderView(index, valid, start, length, off, li)
 
 
+def _no_skipped_tokens(first_R: np.ndarray) -> bool:
+    """Whether every row's tokens are all decoder tokens: ``_full_decoder_view``'s condition (a
+    test turns it off here to compare with the general path)."""
+    return not first_R.any()
+
+
 def _full_decoder_view(n_R, off_R, start_R, total: int, logits_idx, num_dec: int, num_rows: int,
-                       num_logits: int) -> DecoderView:
+                       num_logits: int, own=None) -> DecoderView:
     """``_decoder_view`` where no row skips a token: the same arrays from fewer operations
-    (decoder token t is flat token t)."""
-    nr = n_R.shape[0]
+    (decoder token t is flat token t; the row arrays and logits indices are the batch's own,
+    ``own``, shared where given)."""
+    want = np.asarray(logits_idx, np.int64)
+    asked = want >= 0
+    if np.any(asked & (want >= total)):  # past the step's tokens: not a decoder token
+        t = int(want[asked & (want >= total)][0])
+        raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
     index = np.zeros(num_dec, np.int32)
-    index[:total] = np.arange(total)
+    index[:total] = arange_of(total)
+    if own is not None:
+        valid, start, length, off, li = own
+        if valid.shape[0] == num_dec:
+            return DecoderView(index, valid, start, length, off, li)
+    nr = n_R.shape[0]
     valid = np.zeros(num_dec, bool)
     valid[:total] = True
     start = np.zeros(num_rows, np.int32)
@@ -280,11 +298,6 @@ def _full_decoder_view(n_R, off_R, start_R, total: int, logits_idx, num_dec: int
     length[:nr] = n_R
     off = np.zeros(num_rows, np.int32)
     off[:nr] = off_R
-    want = np.asarray(logits_idx, np.int64)
-    asked = want >= 0
-    if np.any(asked & (want >= total)):  # past the step's tokens: not a decoder token
-        t = int(want[asked & (want >= total)][0])
-        raise ValueError(f"logits index {t} is below its row's decoder floor (not computed)")
     li = np.zeros(num_logits, np.int32)
     li[: len(want)] = np.where(asked, want, 0)
     return DecoderView(index, valid, start, length, off, li)

@@ -35,7 +35,7 @@ from deepinfer_jax.runner.row_update import pad_rows
 from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_impl
 from deepinfer_jax.runner.step_launcher import StepLauncher
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
-from deepinfer_jax.sampling.sampler import prompt_logprobs, sample
+from deepinfer_jax.sampling.sampler import SamplingReuse, prompt_logprobs, sample
 
 
 def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
@@ -212,6 +212,7 @@ class ModelRunner:
         # tokens before each row's start that the scheduler puts in the row (the n-gram look-back)
         self.history_tokens = self.hasher.max_ngram_size - 1 if self.hasher is not None else 0
         self.num_rows = ec.max_num_seqs
+        self._sampling_reuse = SamplingReuse()  # sampling arrays kept between steps (step_inputs)
         self.compact = ec.yoco_truncation == "compact" and cfg.yoco_start_layer < cfg.num_hidden_layers
         self.bucket_seconds: dict[int, float] = {}  # profile_buckets(): step seconds per token bucket
         self.plain_bucket_seconds: dict[int, float] = {}  # the same for plain steps (spec_plain)
@@ -271,7 +272,7 @@ class ModelRunner:
         inp = build_step_input(sched, num_tokens=T, num_rows=R, num_decoder_tokens=Td,
                                cache_config=self.cache_config, hasher=self.hasher, vocab=self.cfg.vocab_size,
                                prompt_lp=sched.wants_prompt_logprobs, spec_slots=self.spec_slots,
-                               verify_slots=0 if sched.spec_plain else None)
+                               verify_slots=0 if sched.spec_plain else None, reuse=self._sampling_reuse)
         return pack(inp)  # a few transfers instead of one per array
 
     def step_call(self, bufs, layout, prompt_lp: bool):

@@ -24,20 +24,36 @@ class PackedLayout:
 def pack(tree) -> tuple[tuple[np.ndarray, ...], PackedLayout]:
     """Host arrays of ``tree`` -> (one flat buffer per dtype, the layout to rebuild it)."""
     leaves, treedef = jax.tree.flatten(tree)
+    leaves = [x if type(x) is np.ndarray else np.asarray(x) for x in leaves]
+    key = (treedef, tuple([(a.dtype, a.shape) for a in leaves]))
+    plan = _plans.get(key)
+    if plan is None:  # a new bucket / layout: which leaves go to which buffer
+        if len(_plans) >= 4096:  # (a bound; an engine has a few dozen layouts)
+            _plans.clear()
+        plan = _plans[key] = _plan(leaves, treedef)
+    groups, layout = plan
+    return tuple([np.concatenate([leaves[i] for i in g], axis=None) for g in groups]), layout
+
+
+def _plan(leaves, treedef) -> tuple[tuple[tuple[int, ...], ...], PackedLayout]:
+    """(the leaf indices of each buffer, the layout) of leaves of these dtypes and shapes."""
     buffer_of: dict[str, int] = {}     # dtype -> buffer index, in order of first appearance
-    parts: list[list[np.ndarray]] = []
+    groups: list[list[int]] = []
     sizes: list[int] = []
     where = []
-    for a in (np.asarray(x) for x in leaves):
-        b = buffer_of.setdefault(a.dtype.str, len(parts))
-        if b == len(parts):
-            parts.append([])
+    for i, a in enumerate(leaves):
+        b = buffer_of.setdefault(a.dtype.str, len(groups))
+        if b == len(groups):
+            groups.append([])
             sizes.append(0)
         where.append((b, sizes[b], a.shape))
-        parts[b].append(a.reshape(-1))
+        groups[b].append(i)
         sizes[b] += a.size
-    bufs = tuple(np.concatenate(p) if len(p) > 1 else p[0].copy() for p in parts)
-    return bufs, PackedLayout(treedef, tuple(where))
+    return tuple(tuple(g) for g in groups), PackedLayout(treedef, tuple(where))
+
+
+# (treedef, leaves' dtypes and shapes) -> _plan: one per bucket and input kind
+_plans: dict = {}
 
 
 def unpack(bufs, layout: PackedLayout):

@@ -27,7 +27,7 @@ import numpy as np
 
 from deepinfer_jax.runner.engram_hash_device import window_partials
 from deepinfer_jax.base.forward_batch import ForwardBatch, arange_of, pack_batch
-from deepinfer_jax.sampling.sampler import SamplingBatch, sampling_batch_of
+from deepinfer_jax.sampling.sampler import SamplingBatch, SamplingReuse, sampling_batch_of
 
 
 @jax.tree_util.register_dataclass
@@ -92,13 +92,15 @@ def _one_token_rows(n_R: np.ndarray, total: int) -> bool:
 def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
                      cache_config, hasher, vocab: int, prompt_lp: bool, spec_slots: int = 0,
                      num_banned: int | None = None, with_masks: bool | None = None,
-                     cp_devices: int | None = None, verify_slots: int | None = None) -> StepInput:
+                     cp_devices: int | None = None, verify_slots: int | None = None,
+                     reuse: SamplingReuse | None = None) -> StepInput:
     """Pad ``sched.rows`` (plain ``ScheduledRow`` data) into a ``StepInput`` of the given bucket sizes.
     ``num_banned`` (default ``banned_width(sched)``) and ``with_masks`` (default: whether a row
     has a grammar mask) fix those parts of the layout, so that the DP ranks' inputs of one step
     share it. ``cp_devices`` (> 1): the tokens' balanced context-parallel layout over that many
     devices (``base/cp_layout.py``). ``verify_slots``: the drafts a row may carry in this step
-    (default ``spec_slots``; 0 for a plain step of a speculative engine).
+    (default ``spec_slots``; 0 for a plain step of a speculative engine). ``reuse``: the
+    caller's ``SamplingReuse`` (sampling arrays of its previous step that stay the same).
 
     Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
     once into arrays, the Engram hashes of every known token and the partial hashes of every
@@ -212,7 +214,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         sbanned = [banned[i] for i in samp_R]
         pos_R = pos_R[samp_R]
     sampling = sampling_batch_of(samp_R, list(map(_params, srows)), list(map(_seed, srows)), pos_R,
-                                 sbanned, num_rows, vocab, num_banned=num_banned)
+                                 sbanned, num_rows, vocab, num_banned=num_banned, reuse=reuse)
     # one compiled sampler for every batch composition (no static fast paths)
     sampling.all_greedy, sampling.needs_filter = False, True
     allowed = None

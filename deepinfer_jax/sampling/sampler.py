@@ -142,13 +142,32 @@ def _row_index(row_R: np.ndarray) -> slice | np.ndarray:
     return row_R
 
 
+class SamplingReuse:
+    """What ``sampling_batch_of`` may reuse from the batch it built last (one per caller, e.g.
+    a runner): the per-row params and seed arrays, kept while the sampler rows are ``0..n-1``
+    with the same params objects (identity) and seeds as then (steady decoding), and the
+    nothing-banned array of each shape. Reused arrays are read-only (shared between steps)."""
+
+    __slots__ = ("key", "params", "seeds", "arrays", "no_bans")
+
+    def __init__(self):
+        self.key = self.params = self.seeds = self.arrays = None
+        self.no_bans: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _read_only(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
 def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[int], positions,
                       banned: Sequence[Sequence[int]], num_rows: int, vocab: int,
-                      num_banned: int | None = None) -> SamplingBatch:
+                      num_banned: int | None = None, reuse: SamplingReuse | None = None) -> SamplingBatch:
     """``build_sampling_batch`` from columns: sampler rows ``row_R`` (ints below ``num_rows``)
     get ``params[i]``, ``seeds[i]``, ``positions[i]`` and ``banned[i]``; every other row is
     padding. Vectorised over rows (the engine builds this every step for up to
-    ``max_num_seqs`` rows): when every row has the same params object, its values are read once."""
+    ``max_num_seqs`` rows): when every row has the same params object, its values are read once.
+    ``reuse``: arrays of the previous call to reuse where they are the same (``SamplingReuse``)."""
     row_R = np.asarray(row_R, np.int64)
     n = row_R.shape[0]
     longest = max(map(len, banned), default=0)
@@ -158,6 +177,45 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
         raise ValueError(f"num_banned={num_banned} < {longest} banned ids in one row")
     rows = _row_index(row_R)
 
+    if reuse is not None and isinstance(rows, slice):
+        seeds = seeds if isinstance(seeds, list) else list(seeds)
+        key = (n, num_rows, vocab)
+        if not (reuse.key == key and reuse.seeds == seeds and all(map(operator.is_, params, reuse.params))):
+            arrays = _param_columns(rows, row_R, params, seeds, num_rows, vocab)
+            _read_only(*arrays[:5])
+            reuse.key, reuse.params, reuse.seeds, reuse.arrays = key, list(params), seeds, arrays
+        temperature, top_k, top_p, min_p, seed, all_greedy, needs_filter = reuse.arrays
+    else:
+        temperature, top_k, top_p, min_p, seed, all_greedy, needs_filter = _param_columns(
+            rows, row_R, params, seeds, num_rows, vocab)
+    pos_R = np.asarray(positions, np.int64).reshape(n)
+    out_of_range = (pos_R < 0) | (pos_R >= POSITION_LIMIT)
+    if out_of_range.any():
+        i = int(np.argmax(out_of_range))
+        raise ValueError(f"row {int(row_R[i])}: position={positions[i]!r} out of range [0, 2**31)")
+    position = np.zeros(num_rows, np.int32)
+    position[rows] = pos_R
+    if not longest and reuse is not None:  # nothing banned: a constant of the shape
+        ban = reuse.no_bans.get((num_rows, num_banned))
+        if ban is None:
+            ban = reuse.no_bans[num_rows, num_banned] = np.full((num_rows, num_banned), -1, np.int32)
+            _read_only(ban)
+    else:
+        ban = np.full((num_rows, num_banned), -1, np.int32)
+    if longest:
+        for i in (i for i, b in enumerate(banned) if b):
+            b = banned[i]
+            bad = [t for t in b if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"row {int(row_R[i])}: banned token ids {bad} out of range [0, {vocab})")
+            ban[row_R[i], :len(b)] = b
+    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                         position=position, banned_RB=ban, all_greedy=all_greedy, needs_filter=needs_filter)
+
+
+def _param_columns(rows, row_R, params, seeds, num_rows: int, vocab: int) -> tuple:
+    """(temperature, top_k, top_p, min_p, seed, all_greedy, needs_filter) of ``sampling_batch_of``."""
+    n = row_R.shape[0]
     # one params object for every row (the common case): its values once; else a column each
     p0 = params[0] if n else None
     if n and all(map(operator.is_, params, itertools.repeat(p0, n))):
@@ -185,26 +243,9 @@ def sampling_batch_of(row_R, params: Sequence[SamplingParams], seeds: Sequence[i
     seed = np.zeros((num_rows, 2), np.uint32)
     seed[rows, 0] = seed_R >> np.uint64(32)
     seed[rows, 1] = seed_R & np.uint64(0xFFFFFFFF)
-    pos_R = np.asarray(positions, np.int64).reshape(n)
-    out_of_range = (pos_R < 0) | (pos_R >= POSITION_LIMIT)
-    if out_of_range.any():
-        i = int(np.argmax(out_of_range))
-        raise ValueError(f"row {int(row_R[i])}: position={positions[i]!r} out of range [0, 2**31)")
-    position = np.zeros(num_rows, np.int32)
-    position[rows] = pos_R
-    ban = np.full((num_rows, num_banned), -1, np.int32)
-    if longest:
-        for i in (i for i, b in enumerate(banned) if b):
-            b = banned[i]
-            bad = [t for t in b if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"row {int(row_R[i])}: banned token ids {bad} out of range [0, {vocab})")
-            ban[row_R[i], :len(b)] = b
     sampled = temperature >= SAMPLING_EPS
     needs_filter = bool(np.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))))
-    return SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                         position=position, banned_RB=ban, all_greedy=not bool(sampled.any()),
-                         needs_filter=needs_filter)
+    return temperature, top_k, top_p, min_p, seed, not bool(sampled.any()), needs_filter
 
 
 # --------------------------------------------------------------------------- device side
