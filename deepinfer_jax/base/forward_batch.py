@@ -28,6 +28,7 @@ token (``base/cp_layout.py``); ``None`` computes every token on every device.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -126,6 +127,14 @@ def build_batch(rows: Sequence[RowSpec], *, num_tokens: int, num_rows: int, max_
         num_logits=num_logits, num_decoder_tokens=num_decoder_tokens, cp_devices=cp_devices)
 
 
+def concat_ints(lists, total: int) -> np.ndarray:
+    """Int sequences concatenated into an int64 array of ``total`` entries (``list.extend`` per
+    sequence: faster than ``itertools.chain`` for many short ones)."""
+    out: list = []
+    collections.deque(map(out.extend, lists), maxlen=0)
+    return np.fromiter(out, np.int64, total)
+
+
 @functools.lru_cache(maxsize=64)
 def arange_of(n: int) -> np.ndarray:
     """``np.arange(n)`` (int64), made once per length and read-only: a per-bucket constant of
@@ -190,7 +199,7 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
         i = int(np.argmax(nb_R > max_blocks))
         raise ValueError(f"row {i}: {int(nb_R[i])} blocks > max_blocks={max_blocks}")
     bt = np.zeros((num_rows, max_blocks), np.int32)
-    flat_blocks = np.fromiter(itertools.chain.from_iterable(blocks), np.int64, int(nb_R.sum()))
+    flat_blocks = concat_ints(blocks, int(nb_R.sum()))
     if nr and int(nb_R.min()) == nb_max:  # every row as many blocks (usual in decode)
         bt[:nr, :nb_max] = flat_blocks.reshape(nr, nb_max)
     else:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 import os
 import time
 
@@ -36,6 +38,8 @@ from deepinfer_jax.runner.spec_step import SpecCarry, SpecStepResult, spec_step_
 from deepinfer_jax.runner.step_launcher import StepLauncher
 from deepinfer_jax.runner.step_inputs import StepInput, build_step_input, pick_bucket
 from deepinfer_jax.sampling.sampler import SamplingReuse, prompt_logprobs, sample
+
+_token_ids = operator.attrgetter("token_ids")
 
 
 def _step_impl(graphdef, state_treedef, state_leaves, cache, inp: StepInput, prev_sampled_R, engram_tables, *,
@@ -291,7 +295,9 @@ class ModelRunner:
 
     def row_map(self, sched, T: int, R: int):
         """(flat token offset of each row in the step's outputs, output row of each row or None)."""
-        return np.cumsum([0] + [r.num_tokens for r in sched.rows])[:-1].tolist(), None
+        offsets = list(itertools.accumulate(map(len, map(_token_ids, sched.rows)), initial=0))
+        offsets.pop()
+        return offsets, None
 
     def _dispatch(self, sched, T: int, R: int, Td: int | None):
         t_in = time.perf_counter()

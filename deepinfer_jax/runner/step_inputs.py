@@ -19,14 +19,13 @@ Engram, finishes its hash from ``engram_partials``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 
 import jax
 import numpy as np
 
 from deepinfer_jax.runner.engram_hash_device import window_partials
-from deepinfer_jax.base.forward_batch import ForwardBatch, arange_of, pack_batch
+from deepinfer_jax.base.forward_batch import ForwardBatch, arange_of, concat_ints, pack_batch
 from deepinfer_jax.sampling.sampler import SamplingBatch, SamplingReuse, sampling_batch_of
 
 
@@ -81,6 +80,7 @@ _seed = operator.attrgetter("seed")
 _banned = operator.attrgetter("banned")
 _history = operator.attrgetter("history")
 _num_drafts = operator.attrgetter("num_drafts")
+_first = operator.itemgetter(0)
 
 
 def _one_token_rows(n_R: np.ndarray, total: int) -> bool:
@@ -126,7 +126,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     prev_R = np.fromiter(map(_prev_row, rows), np.int64, nr)
     sample_R = np.fromiter(map(_sample, rows), bool, nr)
     device_R = (np.fromiter((r.spec_ctx is not None for r in rows), bool, nr) if K else None)
-    tok_t = np.fromiter(itertools.chain.from_iterable(toks_R), np.int64, total)
+    tok_t = np.fromiter(map(_first, toks_R), np.int64, nr) if one else concat_ints(toks_R, total)
 
     # placeholders: a row's last token was sampled by the previous step (device rows: all tokens)
     ph_R = prev_R >= 0
@@ -201,8 +201,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens,
         cp_devices=cp_devices, one_token_rows=one)
     # sampler row i is the plan's row i; rows that do not sample are greedy padding
-    if num_banned is None:
-        num_banned = max(NUM_BANNED, max(map(len, banned), default=0))  # banned_width(sched)
+    if num_banned is None:  # banned_width(sched) (ScheduledRow.banned are lists: any() is their truth)
+        num_banned = max(NUM_BANNED, max(map(len, banned), default=0)) if any(banned) else NUM_BANNED
     pos_R = start_R + n_R  # ScheduledRow.sample_position
     if nd_R is not None:
         pos_R -= nd_R
@@ -265,7 +265,7 @@ def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, las
                          f"{int(start_R[i] + known_R[i] - w0_R[i])} (Scheduler(history_tokens={Km1}))")
     if device_R is not None:
         hl_R = np.where(device_R, 0, hl_R)
-    hist_flat = np.fromiter(itertools.chain.from_iterable(hist), np.int64, int(hl_R.sum()))
+    hist_flat = concat_ints(hist, int(hl_R.sum()))
     if one and device_R is None and nr and int(start_R.min()) >= Km1:
         # one-token rows past the first K-1 positions (decode steps): every history is the
         # full look-back (plus the token when known), so the windows are its rows reversed
