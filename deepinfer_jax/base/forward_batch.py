@@ -135,6 +135,14 @@ def concat_ints(lists, total: int) -> np.ndarray:
     return np.fromiter(out, np.int64, total)
 
 
+def padded(values_R, size: int, dtype=np.int32) -> np.ndarray:
+    """A ``size`` array of ``dtype`` holding ``values_R`` first, zeros after (the per-row and
+    per-token arrays of a bucket)."""
+    out = np.zeros(size, dtype)
+    out[:len(values_R)] = values_R
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def arange_of(n: int) -> np.ndarray:
     """``np.arange(n)`` (int64), made once per length and read-only: a per-bucket constant of
@@ -187,12 +195,9 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
         eids[:total] = engram_ids
     slot = np.full(num_rows, num_slots, np.int32)
     slot[:nr] = slots
-    start = np.zeros(num_rows, np.int32)
-    start[:nr] = start_R
-    length = np.zeros(num_rows, np.int32)
-    length[:nr] = n_R
-    off = np.zeros(num_rows, np.int32)
-    off[:nr] = off_R
+    start = padded(start_R, num_rows)
+    length = padded(n_R, num_rows)
+    off = padded(off_R, num_rows)
     nb_R = np.fromiter(map(len, blocks), np.int64, nr)
     nb_max = int(nb_R.max()) if nr else 0
     if nb_max > max_blocks:
@@ -204,12 +209,9 @@ def pack_batch(token_ids, lengths, starts, slots, blocks: Sequence[Sequence[int]
         bt[:nr, :nb_max] = flat_blocks.reshape(nr, nb_max)
     else:
         bt[:nr][arange_of(max_blocks)[None, :] < nb_R[:, None]] = flat_blocks
-    floor = np.zeros(num_rows, np.int32)
-    floor[:nr] = floors
-    dfloor = np.zeros(num_rows, np.int32)
-    dfloor[:nr] = dec_floors
-    cstart = np.zeros(num_rows, np.int32)
-    cstart[:nr] = cache_starts
+    floor = padded(floors, num_rows)
+    dfloor = padded(dec_floors, num_rows)
+    cstart = padded(cache_starts, num_rows)
     if isinstance(logits, str):
         if logits == "last":
             li = off_R + n_R - 1
@@ -253,12 +255,9 @@ def _decoder_view(n_R, off_R, start_R, dfloor_R, row_of_t, j_t, logits_idx, num_
     index[:n_dec] = off_R[row_of_d] + first_R[row_of_d] + jd
     valid = np.zeros(num_dec, bool)
     valid[:n_dec] = True
-    start = np.zeros(num_rows, np.int32)
-    start[:nr] = start_R + first_R
-    length = np.zeros(num_rows, np.int32)
-    length[:nr] = k_R
-    off = np.zeros(num_rows, np.int32)
-    off[:nr] = odec_R
+    start = padded(start_R + first_R, num_rows)
+    length = padded(k_R, num_rows)
+    off = padded(odec_R, num_rows)
     n_full = row_of_t.shape[0]
     if j_t is None:  # (one token a row)
         j_t = np.zeros(n_full, np.int64)
@@ -301,12 +300,9 @@ def _full_decoder_view(n_R, off_R, start_R, total: int, logits_idx, num_dec: int
     nr = n_R.shape[0]
     valid = np.zeros(num_dec, bool)
     valid[:total] = True
-    start = np.zeros(num_rows, np.int32)
-    start[:nr] = start_R
-    length = np.zeros(num_rows, np.int32)
-    length[:nr] = n_R
-    off = np.zeros(num_rows, np.int32)
-    off[:nr] = off_R
+    start = padded(start_R, num_rows)
+    length = padded(n_R, num_rows)
+    off = padded(off_R, num_rows)
     li = np.zeros(num_logits, np.int32)
     li[: len(want)] = np.where(asked, want, 0)
     return DecoderView(index, valid, start, length, off, li)
