@@ -368,9 +368,8 @@ class LLMEngine:
             lp = np.where(np.arange(lp.shape[1])[None, :] <= res.num_accepted[:n, None], lp, 0.0)
         if np.isfinite(lp).all():
             return  # the common case, one array check; the loop below names the request
-        state_of, add_token = self._states.get, self.outputs.add_token  # (bound once: a lookup per row less)
         for i, row in enumerate(sched.rows):
-            st = state_of(row.request_id)
+            st = self._states.get(row.request_id)
             req = st.request if st is not None else None
             if req is None or req.status.finished or row.epoch != req.epoch:
                 continue  # a dropped result (finished, aborted or preempted since planned)

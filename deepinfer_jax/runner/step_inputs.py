@@ -62,7 +62,12 @@ def pick_bucket(n: int, buckets) -> int:
 
 def banned_width(sched) -> int:
     """Banned ids per sampler row of a step: ``NUM_BANNED``, or more when a row bans more."""
-    return max(NUM_BANNED, max(map(len, map(_banned, sched.rows)), default=0))
+    return _banned_width(list(map(_banned, sched.rows)))
+
+
+def _banned_width(banned: list) -> int:
+    # (ScheduledRow.banned are lists: any() is their truth, and usually none bans anything)
+    return max(NUM_BANNED, max(map(len, banned), default=0)) if any(banned) else NUM_BANNED
 
 
 # the rows' fields, read a column at a time (attrgetter + fromiter: no Python frame per row)
@@ -201,8 +206,8 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         logits=logit_rows, num_logits=len(logit_rows), num_decoder_tokens=num_decoder_tokens,
         cp_devices=cp_devices, one_token_rows=one)
     # sampler row i is the plan's row i; rows that do not sample are greedy padding
-    if num_banned is None:  # banned_width(sched) (ScheduledRow.banned are lists: any() is their truth)
-        num_banned = max(NUM_BANNED, max(map(len, banned), default=0)) if any(banned) else NUM_BANNED
+    if num_banned is None:
+        num_banned = _banned_width(banned)
     pos_R = start_R + n_R  # ScheduledRow.sample_position
     if nd_R is not None:
         pos_R -= nd_R
