@@ -55,6 +55,7 @@ class Request:
     last_sample: tuple[int, int] | None = None  # (step id, logits row) of the newest in-flight sample
     epoch: int = 0
     slot: int | None = None
+    # replaced, never changed in place: the rows planned from it share the list
     blocks: list[int] = dataclasses.field(default_factory=list)
     floor: int = 0                    # first window position visible (replay start after a hit)
     dec_floor: int = 0                # YOCO: first position the decoder layers compute

@@ -62,7 +62,7 @@ from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  #
 
 
 class Scheduler:
-    # steady decode rows planned by _decode_row (the general path plans the same rows, slower;
+    # steady decode rows planned by _decode_rows (the general path plans the same rows, slower;
     # tests/test_scheduler.py compares the two)
     decode_fast_path = True
 
@@ -102,7 +102,7 @@ class Scheduler:
         self._drafting = True     # the newest planned step drafts (its rows' next drafts are coming)
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
-        self._block_tokens, self._caching = ec.block_tokens, ec.enable_prefix_caching  # (_decode_row)
+        self._block_tokens, self._caching = ec.block_tokens, ec.enable_prefix_caching  # (_decode_rows)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -162,16 +162,15 @@ class Scheduler:
         preempted: list[str] = []
         self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
-        fast = self.decode_fast_path and not self.num_draft_tokens  # steady decode rows: _decode_row
+        fast = self.decode_fast_path and not self.num_draft_tokens  # steady decode rows: _decode_rows
         while i < len(self.running) and budget > 0:
-            req = self.running[i]
             if fast:
-                row = self._decode_row(req, step, len(rows))
-                if row is not None:
-                    rows.append(row)
-                    budget -= 1
-                    i += 1
-                    continue
+                j = self._decode_rows(rows, i, step, budget)
+                budget -= j - i
+                i = j
+                if i == len(self.running) or budget <= 0:
+                    break
+            req = self.running[i]
             n = self._num_new_tokens(req, budget)
             if n == 0:
                 i += 1
@@ -332,7 +331,7 @@ class Scheduler:
         got = self.pool.append(req.request_id, need)
         if got is None:
             return False
-        req.blocks.extend(got)
+        req.blocks = req.blocks + got  # a new list: planned rows share the old one (never copied)
         return True
 
     def _admit(self, req: Request, budget: int) -> tuple[int, int] | None:
@@ -362,57 +361,64 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return n, start
 
-    def _decode_row(self, req: Request, step: int, row_index: int) -> ScheduledRow | None:
-        """The row of a steady decode step (one token, no drafts, its blocks in hand, no
-        ``min_tokens`` bans), or None (nothing changed) for ``_num_new_tokens`` + ``_row``,
-        which plan every other case. The same row and state updates as those two would make,
-        without their general branches: the per-row hot path of ``bench_host_path.py``."""
-        pending = req.num_pending
-        if pending > 1:
-            return None
-        prompt, outs = req.prompt_token_ids, req.output_token_ids
-        n_prompt = len(prompt)
-        n_known = n_prompt + len(outs)
-        start = req.num_computed
-        if start != n_known + pending - 1:
-            return None  # a prefill, or every known token computed (a finishing sample in flight)
-        p = req.params
-        n_out = start + 1 - n_prompt  # outputs before the row's sample
-        blocks = req.blocks
-        if (n_out >= p.max_tokens or start + 1 >= self.max_model_len or n_out < p.min_tokens
-                or start >= len(blocks) * self._block_tokens):
-            return None
-        if pending:  # the newest token is the in-flight sample: a placeholder
-            if p.structured_output is not None and p.grammar is not None:
-                return None  # structured output waits for it (a sync point)
-            last = req.last_sample
-            if last is None or last[0] != step - 1:
-                return None  # (_row raises)
-            prev_row, end_known = last[1], start
-        else:
-            prev_row, end_known = -1, start + 1
-        H = self.history_tokens
-        lo = start - H if start > H else 0
-        # known tokens [lo, end_known): the Engram look-back and, without a placeholder, the token
-        if lo >= n_prompt:
-            win = outs[lo - n_prompt:end_known - n_prompt]
-        elif end_known <= n_prompt:
-            win = prompt[lo:end_known]
-        else:
-            win = prompt[lo:] + outs[:end_known - n_prompt]
-        toks = [-1] if pending else win[start - lo:]
-        req.num_computed = start + 1
-        req.num_pending = pending + 1
-        req.spec_inflight_drafts = 0
-        req.last_sample = (step, row_index)
-        if self._caching and end_known // self._block_tokens > req.num_registered_blocks:
-            self._register_blocks(req, end_known)
-        floor = req.floor
-        dec_floor = req.dec_floor
-        return ScheduledRow(
-            req.request_id, req.epoch, start, toks, prev_row, True, req.slot, blocks[:], floor,
-            dec_floor if dec_floor > floor else floor, req.cache_start, False, p, req.seed, [], False,
-            None, win if H else None, 0, None, 1)
+    def _decode_rows(self, rows: list, i: int, step: int, budget: int) -> int:
+        """Plan ``self.running[i:]`` while they are steady decode rows (one token, no drafts,
+        their blocks in hand, no ``min_tokens`` bans), appending to ``rows`` at most ``budget``
+        of them; returns the index of the first request left for ``_num_new_tokens`` + ``_row``,
+        which plan every other case (nothing of that request changed). The same rows and state
+        updates as those two would make, without their general branches, in one loop with the
+        scheduler's settings in locals: the per-row hot path of ``bench_host_path.py``."""
+        running = self.running
+        n_run = min(len(running), i + budget)
+        max_len, bt, H, caching = self.max_model_len, self._block_tokens, self.history_tokens, self._caching
+        prev_step = step - 1
+        append = rows.append
+        while i < n_run:
+            req = running[i]
+            pending = req.num_pending
+            if pending > 1:
+                break
+            prompt, outs = req.prompt_token_ids, req.output_token_ids
+            n_prompt = len(prompt)
+            start = req.num_computed
+            if start != n_prompt + len(outs) + pending - 1:
+                break  # a prefill, or every known token computed (a finishing sample in flight)
+            p = req.params
+            n_out = start + 1 - n_prompt  # outputs before the row's sample
+            blocks = req.blocks
+            if n_out >= p.max_tokens or start + 1 >= max_len or n_out < p.min_tokens or start >= len(blocks) * bt:
+                break
+            if pending:  # the newest token is the in-flight sample: a placeholder
+                if p.structured_output is not None and p.grammar is not None:
+                    break  # structured output waits for it (a sync point)
+                last = req.last_sample
+                if last is None or last[0] != prev_step:
+                    break  # (_row raises)
+                prev_row, end_known = last[1], start
+            else:
+                prev_row, end_known = -1, start + 1
+            lo = start - H if start > H else 0
+            # known tokens [lo, end_known): the Engram look-back and, without a placeholder, the token
+            if lo >= n_prompt:
+                win = outs[lo - n_prompt:end_known - n_prompt]
+            elif end_known <= n_prompt:
+                win = prompt[lo:end_known]
+            else:
+                win = prompt[lo:] + outs[:end_known - n_prompt]
+            req.num_computed = start + 1
+            req.num_pending = pending + 1
+            req.spec_inflight_drafts = 0
+            req.last_sample = (step, len(rows))
+            if caching and end_known // bt > req.num_registered_blocks:
+                self._register_blocks(req, end_known)
+            floor = req.floor
+            dec_floor = req.dec_floor
+            append(ScheduledRow(
+                req.request_id, req.epoch, start, [-1] if pending else win[start - lo:], prev_row, True, req.slot,
+                blocks, floor, dec_floor if dec_floor > floor else floor, req.cache_start, False, p, req.seed, [],
+                False, None, win if H else None, 0, None, 1))
+            i += 1
+        return i
 
     def _row(self, req: Request, n: int, step: int, row_index: int) -> ScheduledRow:
         # (one call per row and step: the request's counts are read once into locals, and the
@@ -491,7 +497,7 @@ class Scheduler:
         floor = req.floor
         # positional, in ScheduledRow's field order (one per row and step: keywords cost more)
         return ScheduledRow(
-            req.request_id, req.epoch, start, toks, prev_row, sample, req.slot, list(req.blocks), floor,
+            req.request_id, req.epoch, start, toks, prev_row, sample, req.slot, req.blocks, floor,
             max(floor, req.dec_floor), req.cache_start, was_prefill, req.params, req.seed, banned, want_plp,
             targets, history, n_draft, spec_ctx, ban_slots)
 
