@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from gpu_lowering_profile import as_if_on_an_h200  # noqa: E402
+from gpu_lowering_profile import as_if_on_an_h200, lower_variant  # noqa: E402
 
 from deepinfer_jax.base.scheduler_output import SchedulerOutput  # noqa: E402
 from deepinfer_jax.entrypoints.llm import LLM  # noqa: E402
@@ -81,3 +81,25 @@ def test_memo_gives_the_kernels_jax_lowers_and_serves_repeats(restore_memo):
     # not depend on the token bucket, so the second variant reuses them)
     assert stats["misses"] == len(set(ref)) < len(ref), (stats, len(set(ref)))
     assert stats["hits"] >= len(ref) - len(set(ref)), stats
+
+
+@pytest.mark.parametrize("memo", [False, True], ids=["memo_off", "memo_on"])
+def test_step_programs_do_not_depend_on_what_the_process_lowered_before(restore_memo, memo):
+    """A step program's text is its key in the persistent compilation cache: lowered after other
+    kernels, in another order, it must be the same text, or a warm start misses the cache. JAX
+    names each kernel from a process-wide counter; the wrapper names it after its content."""
+    llm = LLM(DEFAULT_MODEL, progress=False, precompile=False, max_num_seqs=8, max_num_batched_tokens=48,
+              token_buckets=(8, 48), decoder_buckets=(48,))
+    variants = llm.runner.variants()
+    assert len(variants) == 2
+    with as_if_on_an_h200():
+        assert mlc.install(memo=memo)
+        programs = []
+        for order in (variants, variants[::-1]):
+            mlc.clear()
+            jax.clear_caches()  # every kernel lowered afresh
+            programs.append({v: lower_variant(llm.runner, *v)[2] for v in order})
+    assert programs[0] == programs[1]
+    # where the name is serialised (jax 0.11; 0.12 leaves it out of the kernel it serialises)
+    names = re.findall(r"dump_basename\\00(kernel_\w+)\\00", programs[0][variants[0]])
+    assert all(re.fullmatch(r"kernel_[0-9a-f]{16}", n) for n in names), names

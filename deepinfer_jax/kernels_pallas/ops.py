@@ -64,10 +64,12 @@ def _load_kernels(platform: str) -> None:
     if platform in _LOADED:
         return
     _LOADED.add(platform)
-    if platform == "gpu" and os.environ.get("DEEPINFER_MOSAIC_LOWERING_CACHE", "1") != "0":
+    if platform == "gpu":
         from deepinfer_jax.kernels_pallas import mosaic_lowering_cache
 
-        mosaic_lowering_cache.install()  # one Mosaic GPU lowering per distinct kernel call
+        # kernels named after their content (cacheable programs); one Mosaic GPU lowering per
+        # distinct kernel call unless DEEPINFER_MOSAIC_LOWERING_CACHE=0
+        mosaic_lowering_cache.install(memo=os.environ.get("DEEPINFER_MOSAIC_LOWERING_CACHE", "1") != "0")
     for mod in _KERNEL_MODULES.get(platform, ()):
         try:
             importlib.import_module(mod)
