@@ -14,6 +14,9 @@ YOCO_MODES = ("off", "mask", "compact")
 PREFIX_REPLAY_MODES = ("bounded", "exact")
 SPEC_DECODE_MODES = ("off", "dspark")
 SPEC_RULES = ("uniform", "coupled")
+# where the weights come from (vLLM's names): "auto" the model directory's checkpoint; "dummy"
+# drawn at random on the device (models/random_weights.py), only config.json and tokenizer.json read
+LOAD_FORMATS = ("auto", "dummy")
 # DeepInfer's switches, accepted as keyword aliases and read from the environment when the field
 # is left at None: DEEPINFER_USE_NEXTN_DECODE=1 -> spec_decode="dspark",
 # DEEPINFER_ENABLE_MTP_VARLEN=0/1 -> spec_varlen
@@ -57,7 +60,7 @@ _FIELD_TYPES = {
     "spec_decode": ("str", None, True), "num_draft_tokens": ("int", 1, True), "spec_varlen": ("bool", None, True),
     "spec_rule": ("str", None, False), "spec_force_accept": ("num", None, True),
     "spec_calibration": ("bool", None, False), "spec_plain_steps": ("bool", None, True),
-    "batch_invariant": ("bool", None, True),
+    "batch_invariant": ("bool", None, True), "load_format": ("str", None, False),
 }
 
 
@@ -137,6 +140,11 @@ class EngineConfig:
     # its steps, the padded step size or its prompt's chunking (base/batch_invariant.py; costs
     # throughput, scripts/bench_batch_invariance.py). None: $DEEPINFER_BATCH_INVARIANT, else False
     batch_invariant: bool | None = None
+    # "auto": the weights of the model directory; "dummy": random weights drawn on the device from
+    # LLM's model_seed (models/random_weights.py; seconds, where a multi-GB random checkpoint
+    # takes minutes through the host), the directory supplying only config.json and
+    # tokenizer.json: throughput benchmarks of model shapes without released weights
+    load_format: str = "auto"
     # --- speculative decoding (FEATURES §4) ---
     # "dspark": the model's DSpark stages draft a block after every step and the next step
     # verifies it; None: $DEEPINFER_USE_NEXTN_DECODE (1 -> "dspark"), else "off"
@@ -198,6 +206,8 @@ class EngineConfig:
                 self._bad(f, "must be an integer >= 1")
         if self.yoco_truncation not in YOCO_MODES:
             self._bad("yoco_truncation", f"expected one of {YOCO_MODES}")
+        if self.load_format not in LOAD_FORMATS:
+            self._bad("load_format", f"expected one of {LOAD_FORMATS}")
         if self.ep_scheme not in ("a2a", "psum"):
             self._bad("ep_scheme", "expected 'a2a' or 'psum'")
         if self.kernels not in (None, "auto", "reference", "ffi"):

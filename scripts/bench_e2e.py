@@ -28,9 +28,7 @@ experts); the MoE share of the time is therefore an upper bound.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -44,27 +42,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_floor
 from step_floor import StepShape, params_of, step_floor  # noqa: E402
 from step_profile import profile_steps  # noqa: E402
 from kernel_bench import back_to_back_time, copy_rate  # noqa: E402
-
-
-SCHEDULE = ("num_hidden_layers", "num_nextn_predict_layers", "compress_ratios", "kv_source_layer_ids",
-            "index_source_layer_ids", "candidate_source_layer_id", "engram_layer_ids", "dspark_target_layer_ids")
-
-
-def slice_config(small: bool, experts: int, context: int, depth: str = "tiny"):
-    """Widths: V4.1-Flash's (or the tiny model's with ``small``). Layer schedule: the tiny model's
-    6 + 2 layers (``depth="tiny"``) or the released 40 + 3 (``"full"``)."""
-    from deepinfer_jax.config import preset
-
-    tiny, flash = preset("v41-tiny"), preset("v41-flash")
-    schedule = {k: getattr(flash if depth == "full" else tiny, k) for k in SCHEDULE}
-    if small:
-        return tiny.replace(max_position_embeddings=max(tiny.max_position_embeddings, context), **schedule)
-    keep = {f.name: getattr(flash, f.name) for f in dataclasses.fields(flash)}
-    keep.update(schedule)
-    keep.update(n_routed_experts=experts, num_experts_per_tok=min(flash.num_experts_per_tok, experts),
-                dspark_n_routed_experts=experts, dspark_num_experts_per_tok=min(3, experts),
-                engram_vocab_size=50_000, max_position_embeddings=max(context, 65536))
-    return type(flash)(**keep).validate()
 
 
 TAU = 3.25  # DeepSeek's mean accepted length in their decode throughput formula
@@ -92,50 +69,6 @@ def fill_random(cache, seed: int):
     out = [jnp.where(jnp.isfinite(x), (jax.random.normal(k, x.shape, jnp.float32) * 0.5).astype(x.dtype), x)
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(tree, out)
-
-
-def random_model_on_device(cfg, seed: int):
-    """The model with every parameter drawn on the device (seconds, where writing and reading a
-    6 GiB random checkpoint through the host takes minutes). Distributions only need to keep
-    the forward finite and the routing spread: weights ~ N(0, 1/fan_in), norms and scales near
-    1, ue8m0 block scales 2^-8..2^-5, fp4 bytes uniform (every e2m1 code)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from deepinfer_jax.models.weights import abstract_model, param_path_name
-
-    graphdef, abstract = abstract_model(cfg)
-    flat = list(nnx.to_flat_state(abstract))
-    key = jax.random.key(seed)
-
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-    def draw(k, shape, dtype, rule):
-        if rule == "scale":
-            return jax.random.randint(k, shape, 119, 123).astype(dtype)
-        if rule == "bytes":
-            return jax.random.randint(k, shape, 0, 256).astype(dtype)
-        x = jax.random.normal(k, shape, jnp.float32)
-        if rule == "one":
-            return (1.0 + 0.1 * x).astype(dtype)
-        if rule == "fp8":
-            return jnp.clip(x, -6, 6).astype(dtype)
-        return (x * shape[-1] ** -0.5 if len(shape) >= 2 else 0.5 * x).astype(dtype)
-
-    values = []
-    for i, (path, var) in enumerate(flat):
-        name = param_path_name(path)
-        dtype = jnp.dtype(var.dtype)
-        if dtype == jnp.uint8:
-            rule = "scale" if name.endswith("scale") else "bytes"
-        elif dtype == jnp.float8_e4m3fn:
-            rule = "fp8"
-        elif len(var.shape) == 1 and (name.endswith(("norm.weight", "_scale")) or "norm" in name):
-            rule = "one"
-        else:
-            rule = "normal"
-        values.append((path, var.replace(draw(jax.random.fold_in(key, i), tuple(var.shape), dtype, rule))))
-    return nnx.merge(graphdef, nnx.from_flat_state(values))
 
 
 def main(argv=None) -> int:
@@ -182,6 +115,8 @@ def main(argv=None) -> int:
     from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.base.forward_batch import RowSpec, build_batch
     from deepinfer_jax.checkpoint.random_checkpoint import write_random_model_config
+    from deepinfer_jax.models.model_slice import slice_config
+    from deepinfer_jax.models.random_weights import random_model_on_device
     from deepinfer_jax.models.weights import load_model
 
     t0 = time.perf_counter()

@@ -12,6 +12,18 @@ and varlen's ratio to the fixed length, measured in the same run; writes JSON.
     python scripts/bench_spec.py --concurrency 16 60 96 256 --input-len 256 --output-len 128 \\
         --out benchmarks/results/spec_H200.json
     python scripts/bench_spec.py --model v41-tiny --force-accept 0.75    # random weights, forced acceptance
+    python scripts/bench_spec.py --slice tiny --concurrency 16 60 96 256 --modes none,fixed,varlen \\
+        --out benchmarks/results/spec_slice_H200.json           # on the GPU: a per-GPU V4.1-Flash slice
+
+``--slice tiny|full`` runs a per-GPU slice of V4.1-Flash with random weights drawn on the device
+(``EngineConfig.load_format="dummy"``; seconds, where a multi-GB random checkpoint takes
+minutes through the host): Flash's widths (``--small``: the tiny model's, a CPU smoke run), the
+tiny model's 6 + 2 layers or the released 40 + 3, ``--experts`` local routed experts (default 8;
+7 with ``full``: DeepInfer's EP64 decode rank), as ``scripts/bench_e2e.py``
+(``models/model_slice.py``). Its config and tokenizer are written to a temporary directory; the
+prompts are random token ids; ``--force-accept`` defaults to 0.75 (DeepSeek's decode-throughput
+convention: tau = 1 + n*0.75 in expectation). The JSON's ``slice`` records the widths, layers,
+experts and forced acceptance.
 
 Prompts are cut from Python sources (``--prompts-from DIR``, default this project's own package,
 which the shipped model never saw). ``--force-accept A`` accepts each draft with probability A
@@ -59,6 +71,30 @@ def source_prompts(tokenizer, root: str, n: int, length: int, seed: int) -> list
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(ids) - length, size=n)
     return [ids[s:s + length] for s in starts]
+
+
+def write_slice(args) -> tuple[str, object, dict]:
+    """``--slice``: the slice's ``config.json`` and tokenizer in a temporary directory (the engines
+    draw its weights on the device); returns (directory, config, the JSON's ``slice`` record)."""
+    import tempfile
+
+    from deepinfer_jax.checkpoint.random_checkpoint import write_random_model_config
+    from deepinfer_jax.models.model_slice import slice_config
+
+    experts = args.experts or (7 if args.slice == "full" else 8)
+    longest = args.input_len + args.output_len + 2  # + the drafts (the model's block at most)
+    draft = slice_config(args.small, experts, longest, args.slice)
+    n_draft = args.num_draft_tokens or draft.dspark_block_size
+    model_dir = tempfile.mkdtemp(prefix=f"v41_slice_{args.slice}_")
+    cfg = write_random_model_config(slice_config(args.small, experts, longest + n_draft, args.slice), model_dir)
+    widths = "tiny" if args.small else "flash"
+    info = dict(name=f"v41-flash-slice-{args.slice}" + ("-small" if args.small else ""), depth=args.slice, widths=widths,
+                hidden_size=cfg.hidden_size, layers=cfg.num_hidden_layers, nextn_layers=cfg.num_nextn_predict_layers,
+                experts=cfg.n_routed_experts, experts_per_token=cfg.num_experts_per_tok,
+                force_accept=args.force_accept, load_format="dummy", dir=model_dir)
+    print(f"slice {info['name']}: {info['layers']} + {info['nextn_layers']} layers, D={cfg.hidden_size}, "
+          f"{cfg.n_routed_experts} local experts, weights drawn on the device; config in {model_dir}", flush=True)
+    return model_dir, cfg, info
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -110,6 +146,12 @@ def step_time_model_ms(llm) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir or name (default: the shipped model)")
+    ap.add_argument("--slice", choices=("tiny", "full"), default=None,
+                    help="instead of --model: a per-GPU V4.1-Flash slice with random weights drawn on the "
+                         "device, the tiny model's 6 + 2 layers or the released 40 + 3")
+    ap.add_argument("--small", action="store_true", help="with --slice: the tiny model's widths (CPU smoke run)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="with --slice: local routed experts per layer (default 8; with --slice full 7)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--num-draft-tokens", type=int, default=None, help="default: the model's DSpark block")
@@ -117,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the largest token bucket at least")
-    ap.add_argument("--force-accept", type=float, default=None)
+    ap.add_argument("--force-accept", type=float, default=None,
+                    help="accept each draft with this probability (default: off; with --slice 0.75)")
     ap.add_argument("--prompts-from", default=None, help="directory of .py files (default: deepinfer_jax/)")
     ap.add_argument("--engine", default="{}", help="JSON of further EngineConfig fields")
     ap.add_argument("--bucket-multiples", type=int, nargs="+", default=None,
@@ -138,6 +181,15 @@ def main(argv=None) -> int:
         ap.error("--concurrency: values must be >= 1")
     if args.repeats < 1:
         ap.error(f"--repeats: {args.repeats} must be >= 1")
+    if args.slice is None and (args.small or args.experts is not None):
+        ap.error("--small and --experts shape a --slice: give --slice tiny or --slice full")
+    if args.slice is not None:
+        if args.model is not None:
+            ap.error("--model and --slice: give one (--slice draws its own random model)")
+        if args.experts is not None and args.experts < 1:
+            ap.error(f"--experts: {args.experts} must be >= 1")
+        if args.force_accept is None:
+            args.force_accept = 0.75
 
     import jax
 
@@ -146,12 +198,20 @@ def main(argv=None) -> int:
     from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
     from deepinfer_jax.tokenizer.loader import load_tokenizer
 
-    model = args.model or DEFAULT_MODEL
-    model_dir = resolve_model(model, progress=False)
-    cfg = ModelConfig.from_json(model_dir)
+    load = {}
+    slice_info = None
+    if args.slice is not None:
+        model, cfg, slice_info = write_slice(args)
+        model_dir = model
+        load = dict(load_format="dummy")
+    else:
+        model = args.model or DEFAULT_MODEL
+        model_dir = resolve_model(model, progress=False)
+        cfg = ModelConfig.from_json(model_dir)
+    label = slice_info["name"] if slice_info else model  # the model as the table and the JSON name it
     K = args.num_draft_tokens or cfg.dspark_block_size
     tok = None
-    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+    if slice_info is None and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
     root = args.prompts_from or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "deepinfer_jax")
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed)
@@ -165,7 +225,7 @@ def main(argv=None) -> int:
 
         say = print if final else (lambda *a, **k: None)
         say(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-              f"model {model}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
+              f"model {label}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
               f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
         say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
               f"{'drafts/row':>10} {'plain steps':>11} {'varlen/fixed':>13}")
@@ -184,8 +244,9 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-                       "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": model,
-                       "args": vars(args), "num_draft_tokens": K,
+                       "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                       "model": label, "slice": slice_info,
+                       "force_accept": args.force_accept, "args": vars(args), "num_draft_tokens": K,
                        "rows": rows}, f, indent=1, default=str)
         if final:
             print(f"wrote {out}")
@@ -206,7 +267,7 @@ def main(argv=None) -> int:
         # variant of the spec step compiles for tens of seconds)
         base_kw = dict(max_num_seqs=C, max_num_batched_tokens=chunk, token_buckets=buckets,
                        decoder_buckets=(max(buckets),),
-                       max_model_len=max_len, enable_prefix_caching=False, progress=False)
+                       max_model_len=max_len, enable_prefix_caching=False, progress=False, **load)
         base_kw.update(extra)  # --engine overrides the defaults above
         spec_llm = None
         for mode in modes:

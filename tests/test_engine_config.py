@@ -45,6 +45,8 @@ CFG = preset("v41-tiny")
     ("max_num_seqs", np.int64(4), "must be an int"),
     ("compile_workers", 0, "must be >= 1"),
     ("compile_workers", 2.0, "must be an int or None"),
+    ("load_format", "safetensors", "expected one of ('auto', 'dummy')"),
+    ("load_format", None, "must be a string"),
 ])
 def test_bad_field_named(field, value, why):
     with pytest.raises(ValueError) as ei:

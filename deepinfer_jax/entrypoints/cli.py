@@ -4,7 +4,8 @@
 ``--model`` takes a model directory (safetensors or Orbax) or a preset name; a preset has no
 released weights here, so on first use a random-weight checkpoint of that preset is written to
 ``$DEEPINFER_CACHE`` (default ``~/.cache/deepinfer_jax``) and reused afterwards
-(``models/registry.py``).
+(``models/registry.py``). ``--load-format dummy`` reads only the config and tokenizer of the
+model and draws the weights on the device (a preset then writes no checkpoint).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def cmd_generate(args) -> int:
     engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=not args.sync, yoco_truncation=args.yoco_truncation,
                   enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels,
-                  index_key_dtype=args.index_key_dtype,
+                  index_key_dtype=args.index_key_dtype, load_format=args.load_format,
                   precompile=not args.no_precompile)
     if args.batch_invariant:
         engine["batch_invariant"] = True
@@ -159,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request's output does not depend on its batch (default: $DEEPINFER_BATCH_INVARIANT)")
     g.add_argument("--index-key-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="index-key cache format: fp8 = e5m2 codes + a scale per key (same results, ~half the bytes)")
-    g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the model's checkpoint; dummy: random weights drawn on the device "
+                        "(the model dir gives only config.json and tokenizer.json)")
+    g.add_argument("--model-seed", type=int, default=0,
+                   help="seed of a preset's random weights, or of --load-format dummy's")
     g.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent compilation cache: a second start loads its compiled steps "
                         f"(default ${compile_cache.ENV}, else ~/.cache/deepinfer_jax/xla)")

@@ -39,7 +39,9 @@ class LLM:
         """``model``: a model directory (safetensors or Orbax, with ``tokenizer.json`` for text
         prompts), a shipped model (default: the trained ``v41-small-code``) or a preset name
         (random weights). Keywords are ``EngineConfig`` fields; ``mesh`` a jax Mesh
-        (default: ``dp``/``cp`` from the config). ``model_seed``: the random weights of a preset.
+        (default: ``dp``/``cp`` from the config). ``model_seed``: the random weights of a preset
+        or of ``load_format="dummy"`` (drawn on the device; a preset's directory then holds only
+        its config and tokenizer, no checkpoint is written).
         ``compile_cache``: JAX's persistent compilation cache, so that a later start loads the
         compiled steps (a directory, ``True`` for ``~/.cache/deepinfer_jax/xla``, ``False``;
         default ``$DEEPINFER_COMPILE_CACHE``, else off; process-wide, see ``compile_cache.py``)."""
@@ -51,7 +53,8 @@ class LLM:
         cache_dir = cc.resolve(compile_cache)
         if cache_dir is not None:
             cc.enable(cache_dir)
-        self.model_dir = resolve_model(model, seed=model_seed, progress=progress)
+        self.model_dir = resolve_model(model, seed=model_seed, progress=progress,
+                                       weights=ec.load_format != "dummy")
         self.model_config = ModelConfig.from_json(self.model_dir)
         import jax
 
@@ -79,9 +82,11 @@ class LLM:
                                  or jax.process_count() > 1 or ec.eplb_redundant_experts):
             from deepinfer_jax.runner.dp_runner import DPModelRunner
 
-            self.runner = DPModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
+            self.runner = DPModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress,
+                                        model_seed=model_seed)
         else:
-            self.runner = ModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress)
+            self.runner = ModelRunner(self.model_dir, ec, cfg=self.model_config, mesh=mesh, progress=progress,
+                                      model_seed=model_seed)
         self.compile_time_s = self.runner.warmup(progress) if ec.precompile else 0.0
         tok_json = os.path.join(self.model_dir, "tokenizer.json")
         self.engine = LLMEngine(self.runner, ec, self.tokenizer, self.model_config.eos_token_id,

@@ -113,7 +113,7 @@ class DPModelRunner(ModelRunner):
 
     places_experts = True
 
-    def __init__(self, model_dir: str, ec, *, cfg=None, mesh, progress: bool = True):
+    def __init__(self, model_dir: str, ec, *, cfg=None, mesh, progress: bool = True, model_seed: int = 0):
         if mesh is None or "dp" not in mesh.shape:  # dp = 1 runs the DP program on one rank (its benchmark)
             raise ValueError(f"DPModelRunner: needs a mesh with a 'dp' axis, got {None if mesh is None else dict(mesh.shape)}")
         self.dp = int(mesh.shape["dp"])
@@ -123,7 +123,7 @@ class DPModelRunner(ModelRunner):
             raise ValueError("EngineConfig.spec_varlen=True: on a multi-process mesh every process plans its "
                              "verification lengths from its own step-time measurements, so the plans would "
                              "differ between processes; use spec_varlen=False")
-        super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress)
+        super().__init__(model_dir, ec, cfg=cfg, mesh=mesh, progress=progress, model_seed=model_seed)
         self.ep_scheme = ec.ep_scheme
         self._plans_memo = None   # (plan, its per-rank plans) of the step being dispatched
         self.placement = None

@@ -167,15 +167,22 @@ class ModelRunner:
     dp = 1  # attention data-parallel ranks (runner/dp_runner.py)
     places_experts = False  # redundant expert slots (EPLB): the DP runner's
 
-    def __init__(self, model_dir: str, ec, *, cfg: ModelConfig | None = None, mesh=None, progress: bool = True):
-        """``ec``: a resolved ``EngineConfig``."""
-        from deepinfer_jax.models.weights import load_model
-
+    def __init__(self, model_dir: str, ec, *, cfg: ModelConfig | None = None, mesh=None, progress: bool = True,
+                 model_seed: int = 0):
+        """``ec``: a resolved ``EngineConfig``. ``model_seed``: the random weights of
+        ``ec.load_format="dummy"`` (the checkpoint's weights are read otherwise)."""
         if getattr(ec, "eplb_redundant_experts", 0) and not self.places_experts:
             raise ValueError(f"EngineConfig.eplb_redundant_experts={ec.eplb_redundant_experts}: redundant experts "
                              "need the DP runner (runner/dp_runner.py; LLM picks it)")
         self._init_host(model_dir, ec, cfg or ModelConfig.from_json(model_dir), mesh)
-        model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
+        if getattr(ec, "load_format", "auto") == "dummy":
+            from deepinfer_jax.models.random_weights import random_model_on_device
+
+            model = random_model_on_device(self.cfg, model_seed, mesh=mesh)
+        else:
+            from deepinfer_jax.models.weights import load_model
+
+            model = load_model(model_dir, self.cfg, mesh=mesh, progress=progress)
         self.graphdef, state = nnx.split(model)
         self.state_leaves, state_treedef = jax.tree.flatten(state)
         self.state_treedef = state_treedef

@@ -1,0 +1,53 @@
+"""scripts/bench_spec.py ``--slice``: a random-weight V4.1-Flash slice (here its tiny widths,
+``--small``) runs through the real engines with weights drawn on the device, forced acceptance
+0.75 by default, and the JSON names the slice; bad combinations are refused by flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+
+from conftest import load_script
+
+
+def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, capsys):
+    bench = load_script("bench_spec")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the slice's directory goes here
+    out = tmp_path / "spec.json"
+    # one token bucket (4 x C = (K+1) x C) and no plain steps: one compiled variant per engine
+    assert bench.main(["--slice", "tiny", "--small", "--concurrency", "2", "--modes", "none,fixed",
+                       "--input-len", "8", "--output-len", "6", "--repeats", "1", "--prefill-chunk", "1",
+                       "--bucket-multiples", "4", "--engine", '{"spec_plain_steps": false}',
+                       "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["force_accept"] == 0.75 and res["args"]["force_accept"] == 0.75
+    sl = res["slice"]
+    assert (sl["depth"], sl["widths"], sl["layers"], sl["nextn_layers"], sl["experts"]) == ("tiny", "tiny", 6, 2, 8)
+    assert sl["force_accept"] == 0.75 and sl["load_format"] == "dummy"
+    assert res["model"] == "v41-flash-slice-tiny-small"
+    assert os.path.dirname(sl["dir"]) == str(tmp_path)  # config and tokenizer only: no weights on disk
+    assert sorted(os.listdir(sl["dir"])) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "fixed"}
+    for r in rows.values():
+        assert r["concurrency"] == 2 and r["output_tokens"] == 2 * 6 and r["generated_tokens_per_s"] > 0
+    assert rows["fixed"]["spec_rows"] > 0 and rows["none"]["spec_rows"] == 0
+    assert "FORCED acceptance 0.75" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slice", "tiny", "--model", "v41-tiny"], "--model and --slice: give one"),
+    (["--small"], "--small and --experts shape a --slice"),
+    (["--experts", "4"], "--small and --experts shape a --slice"),
+    (["--slice", "full", "--experts", "0"], "--experts: 0 must be >= 1"),
+    (["--slice", "half"], "argument --slice: invalid choice: 'half'"),
+])
+def test_slice_flags_refused_by_name(argv, message, capsys):
+    bench = load_script("bench_spec")
+    with pytest.raises(SystemExit) as ei:
+        bench.main(argv)
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err
