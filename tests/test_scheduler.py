@@ -951,7 +951,7 @@ def _plans(rec) -> list:
 
 @pytest.mark.parametrize("async_sched", [True, False])
 def test_decode_fast_path_plans_what_the_general_path_plans(async_sched, monkeypatch):
-    """``Scheduler._decode_row`` (steady decode rows) duplicates ``_num_new_tokens`` + ``_row``
+    """``Scheduler._decode_rows`` (steady decode rows) duplicates ``_num_new_tokens`` + ``_row``
     for speed: with it off, every step's plan (every field of every row, the preemptions) and
     every output are the same, under chunked prompts, prefix hits and evictions, preemptions,
     stop ids, min_tokens bans and prompt logprobs."""
