@@ -76,7 +76,7 @@ def host_only_runner(model_dir: str, ec, cfg, seed: int, accept: float = 0.6):
             return super().step_inputs(sched, T, R, Td)
 
         def step_call(self, bufs, layout, prompt_lp):
-            rows = self._sched.rows
+            sched = self._sched
 
             def step():  # the jitted step's outputs: (cache, sampler outputs, prompt logprobs, carry)
                 R, N, K, rng = self.num_rows, ec.max_logprobs, self.spec_slots, self.rng
@@ -85,6 +85,7 @@ def host_only_runner(model_dir: str, ec, cfg, seed: int, accept: float = 0.6):
                                         -rng.random(R, dtype=np.float32), np.zeros((R, N), np.int32),
                                         np.zeros((R, N), np.float32))
                     return None, jax.device_put(out), None, None
+                rows = sched.rows  # (verification rows: never decode columns)
                 nd = np.zeros(R, np.int64)
                 nd[:len(rows)] = [r.num_drafts for r in rows]
                 passed = rng.random((R, K)) < accept

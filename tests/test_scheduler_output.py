@@ -13,6 +13,7 @@ import numpy as np
 from deepinfer_jax.config import preset
 from deepinfer_jax.engine.llm_engine import LLMEngine
 from deepinfer_jax.engine_config import EngineConfig
+from deepinfer_jax.base.scheduler_output import DecodeColumns
 from deepinfer_jax.host_scheduler.scheduler import ScheduledRow, SchedulerOutput
 from deepinfer_jax.sampling.params import SamplingParams
 
@@ -24,6 +25,9 @@ def walk(obj, path="sched"):
     """Every value reachable through dataclass fields, lists, tuples and dicts is plain."""
     if isinstance(obj, PLAIN):
         return
+    if isinstance(obj, np.ndarray):  # the decode columns' arrays: numbers only
+        assert obj.dtype.kind in "iub", f"{path} is an array of {obj.dtype}"
+        return
     if isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             walk(v, f"{path}[{i}]")
@@ -33,7 +37,7 @@ def walk(obj, path="sched"):
             walk(k, f"{path}.key")
             walk(v, f"{path}[{k!r}]")
         return
-    assert isinstance(obj, (SchedulerOutput, ScheduledRow, SamplingParams)), \
+    assert isinstance(obj, (SchedulerOutput, ScheduledRow, DecodeColumns, SamplingParams)), \
         f"{path} is a {type(obj).__name__}, not plain data"
     for f in dataclasses.fields(obj):
         walk(getattr(obj, f.name), f"{path}.{f.name}")

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(slots=True)
 class ScheduledRow:
@@ -64,8 +66,53 @@ class ScheduledRow:
         return len(self.token_ids) - first
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeColumns:
+    """The steady async decode rows of a step as columns (``host_scheduler/decode_cohort.py``):
+    every row one placeholder token (the previous step's sample of row ``prev_R[i]``), sampling,
+    no drafts, no bans, no prompt logprobs, its Engram look-back ``history_RH[i]`` (the
+    ``H`` known tokens before ``start_R[i]``). ``rows()`` gives the same ``ScheduledRow``s the
+    row path plans for them. The arrays and lists are never changed after planning (the next
+    step's columns are new objects)."""
+
+    request_ids: list[str]
+    epochs: list[int]
+    start_R: np.ndarray         # int64 [R]
+    prev_R: np.ndarray          # int64 [R]
+    slot_R: np.ndarray          # int64 [R]
+    floor_R: np.ndarray         # int64 [R]
+    dec_floor_R: np.ndarray     # int64 [R]: max(floor, dec_floor), as ScheduledRow.dec_floor
+    cache_start_R: np.ndarray   # int64 [R]
+    blocks: list[list[int]]     # each row's block ids (the request's list, replaced on growth)
+    params: list[Any]
+    seeds: list[int]
+    history_RH: np.ndarray | None   # int64 [R, H]; None when the scheduler keeps no history
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __eq__(self, other) -> bool:  # (arrays: compared as the rows they stand for)
+        return isinstance(other, DecodeColumns) and self.rows() == other.rows()
+
+    __hash__ = None
+
+    def rows(self) -> list[ScheduledRow]:
+        hist = self.history_RH.tolist() if self.history_RH is not None else [None] * len(self)
+        return [ScheduledRow(rid, ep, st, [-1], pr, True, sl, bl, fl, dfl, cs, False, p, sd, [], False, None, h, 0,
+                             None, 1)
+                for rid, ep, st, pr, sl, bl, fl, dfl, cs, p, sd, h in zip(
+                    self.request_ids, self.epochs, self.start_R.tolist(), self.prev_R.tolist(),
+                    self.slot_R.tolist(), self.blocks, self.floor_R.tolist(), self.dec_floor_R.tolist(),
+                    self.cache_start_R.tolist(), self.params, self.seeds, hist)]
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
+    """One step's plan. ``rows`` is every row in order; with ``decode`` (steady decode rows as
+    columns) the first ``len(decode)`` rows are those, built as ``ScheduledRow``s only when
+    ``rows`` is read, and the rows given to the constructor (``tail_rows``) follow: the runner
+    and the engine read the columns instead (``num_rows``, ``tail_rows``)."""
+
     step_id: int
     rows: list[ScheduledRow]
     preempted: list[str]
@@ -80,6 +127,17 @@ class SchedulerOutput:
     # speculative decoding: a plain step (host_scheduler/spec_switch.py) verifies no drafts and
     # drafts none (one logits row per row, no rollback); False: a verification step
     spec_plain: bool = False
+    # the leading steady decode rows as columns (see the class doc); None: every row in ``rows``
+    decode: DecodeColumns | None = None
+
+    @property
+    def tail_rows(self) -> list[ScheduledRow]:
+        """The rows after the ``decode`` columns' (all of them without columns)."""
+        return self._tail
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._tail) + (len(self.decode) if self.decode is not None else 0)
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int, int, bool]:
@@ -87,7 +145,11 @@ class SchedulerOutput:
         step, in one pass over the rows (the rows are not changed once planned)."""
         total = prefill = decoder = 0
         plp = False
-        for r in self.rows:
+        d = self.decode
+        if d is not None:  # one token a row: a decoder token where the row starts at or past dec_floor
+            total = len(d)
+            decoder = int(np.count_nonzero(d.dec_floor_R <= d.start_R))
+        for r in self._tail:
             n = len(r.token_ids)
             total += n
             if r.is_prefill:
@@ -117,8 +179,27 @@ class SchedulerOutput:
 
     @property
     def num_draft_tokens(self) -> int:
-        return sum(r.num_drafts for r in self.rows)
+        return sum(r.num_drafts for r in self._tail)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self._counts[3]
+
+
+def _all_rows(self: SchedulerOutput) -> list[ScheduledRow]:
+    d = self.decode
+    if d is None:
+        return self._tail
+    full = self.__dict__.get("_all_rows")
+    if full is None:
+        full = self.__dict__["_all_rows"] = d.rows() + self._tail
+    return full
+
+
+def _set_rows(self: SchedulerOutput, rows: list[ScheduledRow]) -> None:
+    self._tail = rows
+    self.__dict__.pop("_all_rows", None)
+
+
+# (a property over the dataclass field: the constructor's ``rows`` are the rows after ``decode``)
+SchedulerOutput.rows = property(_all_rows, _set_rows, doc="Every row of the step, in order.")

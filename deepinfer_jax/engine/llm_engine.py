@@ -33,6 +33,7 @@ its newest token; other requests keep the asynchronous overlap.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Sequence
 
@@ -300,10 +301,10 @@ class LLMEngine:
         with deferred_interrupts():
             self._undispatched = True
             sched = self.scheduler.schedule()
-            if self._grammars and sched.rows:
+            if self._grammars and sched.num_rows:
                 self._attach_masks(sched)
         t_planned = time.perf_counter()
-        handle = self.runner.execute(sched) if sched.rows else None
+        handle = self.runner.execute(sched) if sched.num_rows else None
         self._undispatched = False
         if handle is not None:
             handle.host_time = time.perf_counter() - t0
@@ -326,7 +327,8 @@ class LLMEngine:
         """Hand the grammar rows' prepared bitmask rows to the plan (``sched.grammar_masks``)."""
         t0 = time.perf_counter()
         masks = {}
-        for i, row in enumerate(sched.rows):
+        # (the leading decode columns' rows have no grammar: DecodeCohort.eligible)
+        for i, row in enumerate(sched.tail_rows, len(sched.decode) if sched.decode is not None else 0):
             g = self._grammars.get(row.request_id)
             if g is None or not row.sample:
                 continue
@@ -362,7 +364,7 @@ class LLMEngine:
             return self._apply(handle, res, t_apply)
 
     def _check_finite(self, sched, res) -> None:
-        n = len(sched.rows)
+        n = sched.num_rows
         lp = np.asarray(res.logprob[:n])
         if lp.ndim == 2:  # verification rows: only the emitted slots count
             lp = np.where(np.arange(lp.shape[1])[None, :] <= res.num_accepted[:n, None], lp, 0.0)
@@ -395,19 +397,27 @@ class LLMEngine:
         if spec:
             acc_R, dids_R, dconf_R = res.num_accepted.tolist(), res.draft_ids.tolist(), res.draft_conf.tolist()
         state_of, add_token = self._states.get, self.outputs.add_token  # (bound once: a lookup per row less)
-        for i, row in enumerate(sched.rows):
-            st = state_of(row.request_id)
+        # (request id, epoch, row): the leading decode columns' rows (one sampled token each, no
+        # prompt logprobs) are not built as ScheduledRow objects here (row None)
+        d = sched.decode
+        keys = ((r.request_id, r.epoch, r) for r in sched.tail_rows)
+        if d is not None:
+            keys = itertools.chain(zip(d.request_ids, d.epochs, itertools.repeat(None)), keys)
+        for i, (rid, epoch, row) in enumerate(keys):
+            st = state_of(rid)
             req = st.request if st is not None else None
-            if req is None or req.status.finished or row.epoch != req.epoch:
+            if req is None or req.status.finished or epoch != req.epoch:
                 continue  # finished, aborted or preempted since this step was planned
-            if row.prompt_logprobs and res.prompt_target_lp is not None:
+            if row is None:
+                pass  # a decode column's row: samples, no prompt logprobs, never a verification row
+            elif row.prompt_logprobs and res.prompt_target_lp is not None:
                 off = res.token_offsets[i]
                 for j in range(row.num_tokens):
                     p = row.start + j + 1
                     if p < len(req.prompt_token_ids):
                         self.outputs.add_prompt_logprobs(st, p, res.prompt_target_lp[off + j],
                                                          res.prompt_top_ids[off + j], res.prompt_top_lp[off + j])
-            if not row.sample:
+            if row is not None and not row.sample:
                 continue
             if not spec:
                 req.num_pending -= 1
@@ -458,7 +468,7 @@ class LLMEngine:
         self.stats.record(StepStats(
             step_id=sched.step_id, num_tokens=sched.num_tokens, bucket_tokens=handle.bucket_tokens,
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
-            num_rows=len(sched.rows), step_time_s=handle.t_done - handle.t_dispatch,
+            num_rows=sched.num_rows, step_time_s=handle.t_done - handle.t_dispatch,
             host_time_s=handle.host_time, cache_hit_tokens=sched.cache_hit_tokens,
             preemptions=len(sched.preempted), queue_wait_s=list(sched.queue_wait),
             spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,

@@ -57,14 +57,17 @@ from deepinfer_jax.host_scheduler.block_pool import BlockPool, hash_block_tokens
 from deepinfer_jax.host_scheduler.request import Request, RequestStatus
 from deepinfer_jax.host_scheduler.slot_pool import SlotPool
 from deepinfer_jax.host_scheduler.spec_switch import AcceptanceRates
+from deepinfer_jax.host_scheduler.decode_cohort import DecodeCohort
 from deepinfer_jax.host_scheduler.spec_varlen import plan_varlen
 from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  # noqa: F401  (re-exported)
 
 
 class Scheduler:
     # steady decode rows planned by _decode_rows (the general path plans the same rows, slower;
-    # tests/test_scheduler.py compares the two)
+    # tests/test_scheduler.py compares the two), and as columns by a DecodeCohort (async decode
+    # without speculation; needs the fast path; the same comparison)
     decode_fast_path = True
+    decode_cohort = True
 
     def __init__(self, ec, max_model_len: int | None = None, history_tokens: int = 0, epochs=None):
         """``ec``: a resolved ``EngineConfig``; ``history_tokens``: tokens before each row's start
@@ -103,6 +106,7 @@ class Scheduler:
         self._draft_plan: dict[str, int] = {}
         self.num_device_rows = 0  # verification rows planned before the previous step's results (async)
         self._block_tokens, self._caching = ec.block_tokens, ec.enable_prefix_caching  # (_decode_rows)
+        self.cohort = DecodeCohort([], [], [], self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -163,9 +167,17 @@ class Scheduler:
         self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
         fast = self.decode_fast_path and not self.num_draft_tokens  # steady decode rows: _decode_rows
+        cohort = self.cohort if fast and self.decode_cohort else None
+        cols = None
+        if cohort is not None:  # the steady decode rows of the running prefix, as columns
+            cols, i = cohort.plan(self, step, budget)
+            if cols is not None:
+                budget -= len(cols)
+        covered = i
+        first = len(cols) if cols is not None else 0  # the step's row index of rows[0]
         while i < len(self.running) and budget > 0:
             if fast:
-                j = self._decode_rows(rows, i, step, budget)
+                j = self._decode_rows(rows, i, step, budget, first)
                 budget -= j - i
                 i = j
                 if i == len(self.running) or budget <= 0:
@@ -182,7 +194,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                rows.append(self._row(req, n, step, len(rows)))
+                rows.append(self._row(req, n, step, first + len(rows)))
                 budget -= n
                 i += 1
         hit_tokens, waits = 0, []
@@ -200,12 +212,14 @@ class Scheduler:
                 req.num_cached_tokens = saved
                 waits.append(now - req.arrival_time)
             hit_tokens += saved
-            rows.append(self._row(req, n, step, len(rows)))
+            rows.append(self._row(req, n, step, first + len(rows)))
             budget -= n
-        if rows:
+        if cohort is not None and rows:
+            cohort.grow(self, rows, covered, first)
+        if rows or first:
             self.next_step_id += 1
             self._drafting = not plain
-        return SchedulerOutput(step, rows, preempted, hit_tokens, waits, spec_plain=plain)
+        return SchedulerOutput(step, rows, preempted, hit_tokens, waits, spec_plain=plain, decode=cols)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n_out = len(req.output_token_ids) + req.num_pending  # req.num_outputs_planned
@@ -361,10 +375,10 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return n, start
 
-    def _decode_rows(self, rows: list, i: int, step: int, budget: int) -> int:
+    def _decode_rows(self, rows: list, i: int, step: int, budget: int, first: int = 0) -> int:
         """Plan ``self.running[i:]`` while they are steady decode rows (one token, no drafts,
-        their blocks in hand, no ``min_tokens`` bans), appending to ``rows`` at most ``budget``
-        of them; returns the index of the first request left for ``_num_new_tokens`` + ``_row``,
+        their blocks in hand, no ``min_tokens`` bans), appending to ``rows`` (the step's rows
+        from ``first`` on) at most ``budget`` of them; returns the index of the first request left for ``_num_new_tokens`` + ``_row``,
         which plan every other case (nothing of that request changed). The same rows and state
         updates as those two would make, without their general branches, in one loop with the
         scheduler's settings in locals: the per-row hot path of ``bench_host_path.py``."""
@@ -408,7 +422,7 @@ class Scheduler:
             req.num_computed = start + 1
             req.num_pending = pending + 1
             req.spec_inflight_drafts = 0
-            req.last_sample = (step, len(rows))
+            req.last_sample = (step, first + len(rows))
             if caching and end_known // bt > req.num_registered_blocks:
                 self._register_blocks(req, end_known)
             floor = req.floor

@@ -258,7 +258,7 @@ class ModelRunner:
     def buckets_of(self, sched) -> tuple[int, int, int | None]:
         """(tokens T, rows R, decoder tokens T' or None) of the step's padded shape."""
         T = pick_bucket(sched.num_tokens, self.ec.token_buckets)
-        R = pick_bucket(max(len(sched.rows), 1), self.ec.row_buckets)
+        R = pick_bucket(max(sched.num_rows, 1), self.ec.row_buckets)
         Td = None
         if self.compact:  # the smallest decoder bucket that holds them, else the whole step
             need = max(sched.num_decoder_tokens, 1)
@@ -302,9 +302,10 @@ class ModelRunner:
 
     def row_map(self, sched, T: int, R: int):
         """(flat token offset of each row in the step's outputs, output row of each row or None)."""
-        offsets = list(itertools.accumulate(map(len, map(_token_ids, sched.rows)), initial=0))
+        n = len(sched.decode) if sched.decode is not None else 0  # one token each
+        offsets = list(itertools.accumulate(map(len, map(_token_ids, sched.tail_rows)), initial=n))
         offsets.pop()
-        return offsets, None
+        return list(range(n)) + offsets if n else offsets, None
 
     def _dispatch(self, sched, T: int, R: int, Td: int | None):
         t_in = time.perf_counter()

@@ -61,8 +61,9 @@ def pick_bucket(n: int, buckets) -> int:
 
 
 def banned_width(sched) -> int:
-    """Banned ids per sampler row of a step: ``NUM_BANNED``, or more when a row bans more."""
-    return _banned_width(list(map(_banned, sched.rows)))
+    """Banned ids per sampler row of a step: ``NUM_BANNED``, or more when a row bans more (the
+    decode columns' rows ban nothing)."""
+    return _banned_width(list(map(_banned, sched.tail_rows)))
 
 
 def _banned_width(banned: list) -> int:
@@ -110,12 +111,18 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
     Vectorised over rows and tokens (the engine's per-step host path): the rows' fields are read
     once into arrays, the Engram hashes of every known token and the partial hashes of every
     placeholder come from one call each over all rows' look-back windows."""
-    rows = sched.rows
-    nr = len(rows)
     K = spec_slots
     Kv = K if verify_slots is None else verify_slots
     if not 0 <= Kv <= K:
         raise ValueError(f"verify_slots={verify_slots}: must be in [0, spec_slots={K}]")
+    d = sched.decode
+    if (d is not None and not sched.tail_rows and not K and not prompt_lp and not sched.grammar_masks
+            and (hasher is None or d.history_RH is not None and d.history_RH.shape[1] == hasher.max_ngram_size - 1)):
+        return _decode_step_input(d, num_tokens=num_tokens, num_rows=num_rows, num_decoder_tokens=num_decoder_tokens,
+                                  cache_config=cache_config, hasher=hasher, vocab=vocab, num_banned=num_banned,
+                                  with_masks=bool(with_masks), cp_devices=cp_devices, reuse=reuse)
+    rows = sched.rows
+    nr = len(rows)
     toks_R = list(map(_tokens, rows))
     n_R = np.fromiter(map(len, toks_R), np.int64, nr)
     total = int(n_R.sum())
@@ -236,6 +243,44 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
             allowed = allowed[:, 0]
     return StepInput(batch, sampling, prev, partials, targets, draft_RK=drafts, num_drafts_R=n_drafts,
                      ban_slots_R=ban_slots, spec_prev_row_R=spec_prev, spec_ctx_RC=spec_ctx, allowed_RW=allowed)
+
+
+def _decode_step_input(d, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None, cache_config, hasher,
+                       vocab: int, num_banned: int | None, with_masks: bool, cp_devices: int | None,
+                       reuse: SamplingReuse | None) -> StepInput:
+    """``build_step_input`` of a step whose rows are all decode columns (``sched.decode``): the
+    same arrays, read from the columns (one placeholder token a row, its Engram partial hash from
+    the row's look-back) instead of from row objects (``tests/test_decode_cohort.py`` compares
+    the two)."""
+    nr = len(d)
+    rows_R = arange_of(nr)
+    prev = np.full(num_tokens, -1, np.int32)
+    prev[:nr] = d.prev_R
+    n_layers = hasher.n_layers if hasher is not None else 0
+    partials = None
+    if hasher is not None:
+        Km1 = hasher.max_ngram_size - 1
+        partials = np.zeros((num_tokens, n_layers, Km1, 2), np.uint32)
+        if nr:  # each placeholder's window: itself (on the device), then its look-back newest first
+            win_tK = np.empty((nr, Km1 + 1), np.int64)
+            win_tK[:, 0] = -1
+            win_tK[:, 1:] = d.history_RH[:, ::-1]
+            partials[:nr] = window_partials(hasher, win_tK)
+    logit_rows = np.full(num_rows, -1, np.int64)
+    logit_rows[:nr] = rows_R
+    cc = cache_config
+    batch = pack_batch(
+        np.zeros(nr, np.int64), np.ones(nr, np.int64), d.start_R, d.slot_R, d.blocks, d.floor_R,
+        np.maximum(d.floor_R, d.dec_floor_R), d.cache_start_R, engram_ids=None,
+        num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq, num_slots=cc.num_slots,
+        n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
+        logits=logit_rows, num_logits=num_rows, num_decoder_tokens=num_decoder_tokens,
+        cp_devices=cp_devices, one_token_rows=True)
+    sampling = sampling_batch_of(rows_R, d.params, d.seeds, d.start_R + 1, (), num_rows, vocab,
+                                 num_banned=NUM_BANNED if num_banned is None else num_banned, reuse=reuse)
+    sampling.all_greedy, sampling.needs_filter = False, True
+    allowed = np.full((num_rows, -(-vocab // 32)), -1, np.int32) if with_masks else None
+    return StepInput(batch, sampling, prev, partials, None, allowed_RW=allowed)
 
 
 def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2,

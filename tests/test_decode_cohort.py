@@ -1,0 +1,137 @@
+"""``host_scheduler/decode_cohort.py``: steady async decode rows planned as columns give the plans,
+step inputs and outputs of the row path, and do plan most decode rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+from test_scheduler import _full_outputs, make_ec, params, rand_prompt, run, soak_workload  # noqa: E402
+
+from deepinfer_jax.host_scheduler.scheduler import Scheduler  # noqa: E402
+
+
+def _plans(rec) -> list:
+    return [[dataclasses.astuple(r) for r in out.rows] + [sorted(out.preempted)] for _, out, _ in rec.log]
+
+
+def _cohort_rows(rec) -> int:
+    return sum(len(out.decode) for _, out, _ in rec.log if out.decode is not None)
+
+
+def decode_workload(seed: int, n: int) -> list:
+    """Short prompts and output lengths spread from 1 to 60: requests finish at every step, the
+    queue admits new ones into the running batch, some min_tokens bans, stop ids, prompt logprobs."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        kw = dict(seed=int(rng.integers(0, 2**40)), max_tokens=int(rng.integers(1, 60)), ignore_eos=bool(i % 3))
+        if i % 7 == 3:
+            kw["min_tokens"] = min(5, kw["max_tokens"])
+        if i % 11 == 5:
+            kw["stop_token_ids"] = [int(rng.integers(4, 60))]
+        if i % 13 == 6:
+            kw["prompt_logprobs"] = 2
+        reqs.append((f"d{i}", rand_prompt(rng, int(rng.integers(2, 40))), params(**kw)))
+    return reqs
+
+
+@pytest.mark.parametrize("workload", ["soak", "decode"])
+def test_cohort_plans_what_the_row_path_plans(workload, monkeypatch):
+    """With the cohort on and off, every step's plan (every field of every row, in order; the
+    preemptions) and every output are the same: under chunked prompts, prefix hits and
+    evictions, preemptions (``soak``), and requests finishing and admitted at nearly every step
+    (``decode``)."""
+    if workload == "soak":
+        reqs = soak_workload(seed=12, n=80)
+        kw = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=24)
+    else:
+        reqs = decode_workload(seed=5, n=150)
+        kw = dict(max_num_seqs=32, max_num_batched_tokens=40, max_model_len=256, num_blocks=200)
+    ec = make_ec(async_scheduling=True, **kw)
+    outs, eng, _, rec = run(ec, reqs, record=True)
+    monkeypatch.setattr(Scheduler, "decode_cohort", False)
+    ref, _, _, ref_rec = run(ec, reqs, record=True)
+    assert _cohort_rows(ref_rec) == 0
+    assert _plans(rec) == _plans(ref_rec)
+    assert _full_outputs(outs) == _full_outputs(ref)
+    # the cohort planned most of the decode rows (the comparison is not vacuous)
+    n_decode = sum(1 for _, out, _ in rec.log for r in out.rows if not r.is_prefill and r.num_tokens == 1)
+    assert _cohort_rows(rec) > 0.5 * n_decode, (_cohort_rows(rec), n_decode)
+    if workload == "soak":
+        assert eng.scheduler.num_preemptions > 0 and eng.scheduler.pool.hits > 0
+
+
+def test_sync_scheduling_plans_no_cohort():
+    """Without async scheduling no row has a placeholder: the cohort stays empty."""
+    reqs = decode_workload(seed=6, n=20)
+    _, _, _, rec = run(make_ec(async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=40,
+                               max_model_len=256, num_blocks=100), reqs, record=True)
+    assert _cohort_rows(rec) == 0
+
+
+def _leaves_equal(a, b) -> bool:
+    import jax
+
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
+                            for x, y in zip(la, lb))
+
+
+def test_cohort_step_inputs_equal_the_row_path_inputs():
+    """``build_step_input`` of a step planned as columns (``_decode_step_input``) equals the row
+    path's on the same rows built as ``ScheduledRow`` objects, array for array (the shipped
+    model's Engram hashing, sampling arrays reused between steps), at every such step of an
+    engine run whose requests finish and are admitted throughout."""
+    from bench_host_path import host_only_runner
+
+    from deepinfer_jax.base.scheduler_output import SchedulerOutput
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
+    from deepinfer_jax.runner.step_inputs import build_step_input
+    from deepinfer_jax.sampling.params import SamplingParams
+    from deepinfer_jax.sampling.sampler import SamplingReuse
+    from deepinfer_jax.tokenizer.loader import load_tokenizer
+
+    model_dir = resolve_model(DEFAULT_MODEL, progress=False)
+    cfg = ModelConfig.from_json(model_dir)
+    tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    ec = EngineConfig.from_kwargs(max_num_seqs=16, max_num_batched_tokens=64, precompile=False,
+                                  token_buckets=(16, 64)).resolve(cfg, "cpu")
+    runner = host_only_runner(model_dir, ec, cfg, seed=0)
+    engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=True), tok, cfg.eos_token_id,
+                       vocab_size=cfg.vocab_size)
+    engine.forward_estimator = None
+    rng = np.random.default_rng(3)
+    engine.add_requests([(f"q{i}", rng.integers(4, 2000, int(rng.integers(2, 30))).tolist(),
+                          SamplingParams(temperature=float(i % 2), seed=i, max_tokens=int(rng.integers(1, 40)),
+                                         ignore_eos=True))
+                         for i in range(48)])
+    checked = []
+    orig = runner.step_inputs
+    ref_reuse = SamplingReuse()
+
+    def step_inputs(sched, T, R, Td):
+        if sched.decode is not None and not sched.tail_rows:
+            kw = dict(num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=runner.cache_config,
+                      hasher=runner.hasher, vocab=cfg.vocab_size, prompt_lp=False)
+            got = build_step_input(sched, **kw)
+            rows = SchedulerOutput(sched.step_id, sched.rows, [], 0, [])  # the same rows, as objects
+            want = build_step_input(rows, reuse=ref_reuse, **kw)
+            checked.append(_leaves_equal(got, want))
+        return orig(sched, T, R, Td)
+
+    runner.step_inputs = step_inputs
+    outs = engine.run_until_done()
+    assert len(outs) == 48
+    assert len(checked) > 20 and all(checked), (len(checked), checked.count(False))
