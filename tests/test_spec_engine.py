@@ -369,17 +369,29 @@ def test_varlen_stops_speculating_where_verification_does_not_pay(prompts, plain
     """With verification steps 3x as slow as plain steps no draft pays for itself: after the
     first verification steps the engine runs plain steps (probing now and then). With equal step
     costs every accepted draft is a gain: a step is plain only where no draft fits (prompt
-    tokens fill it) or none can come (the last token of every request). The output is the
+    tokens fill it) or none can come (every row its request's last token). The output is the
     greedy one either way."""
     from deepinfer_jax.host_scheduler.spec_switch import DraftSwitch
 
     ref = tokens(fresh(plain).generate(prompts[:8], GREEDY, use_tqdm=False))
     llm = with_switch(LLM(DEFAULT_MODEL, spec_decode="dspark", spec_varlen=True, precompile=False, **BASE),
                       DraftSwitch(), verify_seconds=verify_seconds)
+    sch = llm.engine.scheduler
+    schedule, last_rows = sch.schedule, []
+
+    def planned():  # per plain decode-only step: whether each row's sample is its request's last
+        out = schedule()
+        if out.spec_plain and out.num_rows and not out.num_prefill_tokens:
+            last_rows.append([sch.requests[r.request_id].num_outputs_planned >= GREEDY.max_tokens for r in out.rows])
+        return out
+
+    sch.schedule = planned
     assert tokens(llm.generate(prompts[:8], GREEDY, use_tqdm=False)) == ref
     decode_only = [st for st in llm.stats.steps if st.num_decode_tokens and not st.num_prefill_tokens]
     plain_decode = sum(st.spec_plain for st in decode_only)
+    assert plain_decode == len(last_rows)
     if verify_seconds > 1:
         assert plain_decode >= 0.8 * len(decode_only), (plain_decode, len(decode_only))
     else:
-        assert plain_decode <= 1 and llm.stats.summary()["drafts_accepted"] > 0, plain_decode
+        assert all(map(all, last_rows)), last_rows
+        assert llm.stats.summary()["drafts_accepted"] > 0
