@@ -141,7 +141,7 @@ class DecodeCohort:
         # new blocks and full blocks for the prefix cache, in row order as the row path
         bt = s._block_tokens
         need_blk = live & (s_R[:end] >= self.cap_R[:end])
-        need_reg = (live & (s_R[:end] // bt > self.reg_R[:end])) if s._caching else need_blk & False
+        need_reg = (live & (s_R[:end] // bt > self.reg_R[:end])) if s._caching else np.zeros_like(live)
         todo = np.flatnonzero(need_blk | need_reg)
         if todo.size:
             blocks, cap, reg = list(self.blocks), self.cap_R.copy(), self.reg_R.copy()

@@ -261,11 +261,8 @@ def _decode_step_input(d, *, num_tokens: int, num_rows: int, num_decoder_tokens:
     if hasher is not None:
         Km1 = hasher.max_ngram_size - 1
         partials = np.zeros((num_tokens, n_layers, Km1, 2), np.uint32)
-        if nr:  # each placeholder's window: itself (on the device), then its look-back newest first
-            win_tK = np.empty((nr, Km1 + 1), np.int64)
-            win_tK[:, 0] = -1
-            win_tK[:, 1:] = d.history_RH[:, ::-1]
-            partials[:nr] = window_partials(hasher, win_tK)
+        if nr:
+            partials[:nr] = _placeholder_partials(hasher, d.history_RH)
     logit_rows = np.full(num_rows, -1, np.int64)
     logit_rows[:nr] = rows_R
     cc = cache_config
@@ -281,6 +278,16 @@ def _decode_step_input(d, *, num_tokens: int, num_rows: int, num_decoder_tokens:
     sampling.all_greedy, sampling.needs_filter = False, True
     allowed = np.full((num_rows, -(-vocab // 32)), -1, np.int32) if with_masks else None
     return StepInput(batch, sampling, prev, partials, None, allowed_RW=allowed)
+
+
+def _placeholder_partials(hasher, hist_RK: np.ndarray) -> np.ndarray:
+    """Partial Engram hashes of one placeholder per row whose look-back ``hist_RK`` (the
+    ``max_ngram_size - 1`` known tokens before it, oldest first) is full: each window is the
+    placeholder itself (on the device, -1 here), then the look-back newest first."""
+    win_tK = np.empty((hist_RK.shape[0], hist_RK.shape[1] + 1), np.int64)
+    win_tK[:, 0] = -1
+    win_tK[:, 1:] = hist_RK[:, ::-1]
+    return window_partials(hasher, win_tK)
 
 
 def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, last_t, partials_TLK2,
@@ -321,10 +328,7 @@ def _engram_ids(rows, hasher, n_R, off_R, start_R, ph_R, device_R, row_of_t, las
         # full look-back (plus the token when known), so the windows are its rows reversed
         n_ph = int(ph_R.sum())
         if n_ph == nr:  # every token a placeholder (async decode): partial hashes only
-            win_tK = np.empty((nr, Km1 + 1), np.int64)
-            win_tK[:, 0] = -1
-            win_tK[:, 1:] = hist_flat.reshape(nr, Km1)[:, ::-1]
-            partials_TLK2[:nr] = window_partials(hasher, win_tK)
+            partials_TLK2[:nr] = _placeholder_partials(hasher, hist_flat.reshape(nr, Km1))
             return None
         if n_ph == 0:  # every token known (sync decode)
             return hasher.hash_windows(hist_flat.reshape(nr, Km1 + 1)[:, ::-1])
