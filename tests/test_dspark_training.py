@@ -185,6 +185,9 @@ def test_resume_is_bit_identical(trainer, batches, tmp_path):
     with pytest.raises(ValueError, match="anchors"):
         run(trainer, batches, 7, tmp_path / "b", meta | {"anchors": A + 1}, progress=False,
             prefix=state_io.DSPARK_PREFIX)
+    with pytest.raises(ValueError, match="repeat_tail"):   # other data: repeated tails added on resume
+        run(trainer, batches, 7, tmp_path / "b", meta | {"repeat_tail": {"frac": 0.5, "periods": [2, 64]}},
+            progress=False, prefix=state_io.DSPARK_PREFIX)
 
 
 def test_export_with_trained_stages(cfg, trainer, straight, tmp_path):

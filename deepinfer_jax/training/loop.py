@@ -40,7 +40,8 @@ def run(trainer: Trainer, batches, steps: int | None, out_dir: str | os.PathLike
     state = trainer.init_state()
     if resume and state_io.has_state(out_dir, prefix):
         saved = state_io.load_meta(out_dir, prefix)
-        for k in ("config", "optim", "batch", "seq_len", "data_seed", "anchors", "anchor_seed", "dspark_loss"):
+        for k in ("config", "optim", "batch", "seq_len", "data_seed", "anchors", "anchor_seed", "dspark_loss",
+                  "repeat_tail"):
             if k in meta and saved.get(k) != meta[k]:
                 raise ValueError(f"resume from {out_dir}: {k}={saved.get(k)!r} there, {meta[k]!r} now")
         state = state_io.load_state(out_dir, state, prefix)

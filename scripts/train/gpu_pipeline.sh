@@ -20,7 +20,8 @@
 #        first if it is not there, the held-out list checked), random windows of SEQ tokens
 # Settings (env): TRAIN_SECONDS (stepping time of the whole backbone run, default 700), BATCH
 # (16), SEQ (1024), LR (2e-3), ANCHORS (64), DS_LR (6e-4), NPROMPTS (32), MAXWIN (all windows),
-# DS_DATA (regen | corpus, for `stages`).
+# DS_DATA (regen | corpus, for `stages`), REPEAT_FRAC (`stages`: the fraction of windows ending in a
+# repeated period, train_dspark.py --repeat-frac; default none).
 # $OUT gets at most 8 files (what the lent GPU machine returns): figures.tgz (metrics, meta,
 # logs, JSON figures), model_meta.tgz (config, index, tokenizer) and the fp8 export's shards
 # (15 MB each).
@@ -116,6 +117,7 @@ case $stage in
     ds_args=(--model-run "$SHIPPED" --tokenizer "$SHIPPED" "${data[@]}"
              --steps auto --train-seconds "${2:?dspark seconds}" --batch "$BATCH"
              --anchors "${ANCHORS:-64}" --lr "${DS_LR:-6e-4}" --out "$RUN" --save-every 500 --resume)
+    if [ -n "${REPEAT_FRAC:-}" ]; then ds_args+=(--repeat-frac "$REPEAT_FRAC"); fi
     "$PY" scripts/train/train_dspark.py "${ds_args[@]}" 2>"$OUT/dspark_stderr.log" | tee -a "$OUT/dspark.log"
     "$PY" scripts/train/train_dspark.py "${ds_args[@]}" --export runs/export_regen_fp8 --export-dtype fp8 \
       --export-shard-mb 15 2>>"$OUT/export_stderr.log" | tail -1

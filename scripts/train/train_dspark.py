@@ -14,6 +14,8 @@ from that run's init values, which its training froze) or an exported bf16 check
 ``dspark_metrics.jsonl`` (so ``--out`` may be the backbone run's directory). ``--export`` writes
 the whole model with the trained stages (and, from a run, the backbone's fp32 masters for an fp8
 export to quantize from). Configs with Engram layers: ``--tokenizer`` as in ``train.py``.
+``--repeat-frac F``: a fraction F of the windows end in a repeated period, as the target's greedy
+loops do (``training/repeat_tail.py``), so the stages learn to copy them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from deepinfer_jax.training.export import export_checkpoint  # noqa: E402
 from deepinfer_jax.training.init import init_model  # noqa: E402
 from deepinfer_jax.training.loop import run  # noqa: E402
 from deepinfer_jax.training.optimizer import OptimConfig  # noqa: E402
+from deepinfer_jax.training.repeat_tail import RepeatTail  # noqa: E402
 from deepinfer_jax.training.step import Trainer  # noqa: E402
 
 
@@ -80,6 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-low", type=int, default=1,
                     help="first anchor position (the prompt length of regenerated sequences: blocks "
                          "only in the model's own continuations)")
+    ap.add_argument("--repeat-frac", type=float, default=0.0,
+                    help="fraction of the windows whose tail repeats the period just before it, as the target's "
+                         "greedy loops do (training/repeat_tail.py); 0: the data as it is")
+    ap.add_argument("--repeat-period", type=int, nargs=2, default=(2, 64), metavar=("MIN", "MAX"),
+                    help="the repeated period's length range, in tokens")
     a = ap.parse_args(argv)
 
     model, backbone_master, src = load_backbone(a.model_run, a.out)
@@ -88,11 +96,15 @@ def main(argv=None) -> int:
     lc = DSparkLossConfig(a.gamma, a.ce_alpha, a.l1_alpha, a.conf_alpha)
     tokens = load_data(a, cfg.vocab_size)
     batches = D.TokenBatches(tokens, a.batch, a.seq_len, a.seed, cfg.vocab_size, aligned=a.sequences)
+    if a.repeat_frac:
+        batches = RepeatTail(batches, a.repeat_frac, a.seed, *a.repeat_period)
     trainer = DSparkTrainer(model, oc, a.anchors, lc, anchor_seed=a.seed, anchor_low=a.anchor_low)
     meta = {"config": json.loads(json.dumps(cfg.to_hf_dict())), "optim": dataclasses.asdict(oc),
             "batch": a.batch, "seq_len": a.seq_len, "data_seed": a.seed, "data": a.data,
             "data_sequences": a.sequences, "anchors": a.anchors, "anchor_seed": a.seed, "anchor_low": a.anchor_low,
             "dspark_loss": dataclasses.asdict(lc), "model_run": src}
+    if a.repeat_frac:
+        meta["repeat_tail"] = {"frac": a.repeat_frac, "periods": list(a.repeat_period)}
     state = run(trainer, batches, steps, a.out, meta, resume=a.resume, save_every=a.save_every,
                 time_budget_s=a.time_budget, engram_ids_fn=engram_ids_fn(cfg, a.tokenizer),
                 prefix=state_io.DSPARK_PREFIX, train_seconds=a.train_seconds)
