@@ -59,3 +59,17 @@ def test_bad_settings_are_named(kw, field):
 def test_too_short_windows_for_the_period_are_refused():
     with pytest.raises(ValueError, match="seq_len=8"):
         RepeatTail(_source(L=8), frac=1.0, min_period=4, max_period=4)(0)
+
+
+def test_loop_mask_finds_the_repeated_tails_and_nothing_in_random_text():
+    from deepinfer_jax.training.repeat_tail import loop_mask
+
+    src = _source()
+    rows = RepeatTail(src, frac=1.0, seed=3, min_period=2, max_period=12)(5)
+    for o, r in zip(src(5), rows):
+        s, P = _repeat_start(o, r)
+        m = loop_mask(r, max_period=12)
+        assert m[s + max(2 * P, 8) - P:].all()            # every position once the loop has shown itself
+    assert not loop_mask(src(5)[0], max_period=12).any()  # random ids from 5,000: no loop of 8 tokens
+    np.testing.assert_array_equal(loop_mask(np.array([1, 2, 1, 2, 1, 2, 1, 2, 1, 7])),
+                                  [0, 0, 0, 0, 0, 0, 0, 1, 1, 0])

@@ -46,3 +46,24 @@ class RepeatTail:
             P = int(rng.integers(self.min_period, min(self.max_period, s) + 1))
             toks[b, s:] = np.resize(toks[b, s - P:s], L - s)
         return toks
+
+
+def loop_mask(tokens_L: np.ndarray, max_period: int = 64, min_len: int = 8) -> np.ndarray:
+    """bool ``[L]``: position ``t`` ends a loop, i.e. for some period ``P <= max_period`` the last
+    ``max(2P, min_len)`` tokens up to ``t`` repeat with period ``P`` (what ``RepeatTail`` writes,
+    and what a greedy continuation that fell into a loop looks like)."""
+    row = np.asarray(tokens_L)
+    L = len(row)
+    out = np.zeros(L, bool)
+    for P in range(1, max_period + 1):
+        n = max(2 * P, min_len)
+        if n > L:
+            break
+        same = np.concatenate([np.zeros(P, bool), row[P:] == row[:-P]])   # same[t]: row[t] == row[t - P]
+        run = np.zeros(L, np.int64)                                       # consecutive True up to t
+        c = 0
+        for t in range(L):
+            c = c + 1 if same[t] else 0
+            run[t] = c
+        out |= run >= n - P
+    return out
