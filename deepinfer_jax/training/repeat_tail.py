@@ -2,12 +2,13 @@
 
 A small model's greedy continuation falls into loops: from some position on it repeats its last
 ``P`` tokens. The target copies such a loop exactly, so a draft that copies it would be accepted
-all along, but drafts trained on real text only see loops rarely, and the shipped stages did
-not learn to copy them (teacher-forced greedy match ~0.2 on looping text, where the target's
-argmax is the data at every position). ``RepeatTail`` wraps a batch source: in a fraction
-``frac`` of the rows, from a start ``s`` drawn in ``[L/4, 3L/4)`` every token is replaced by the
-period of ``P`` tokens just before it (``P`` drawn in ``[min_period, max_period]``), i.e. the row
-reads ``text[:s]`` then ``text[s-P:s]`` over and over. The labels stay the target's own logits
+all along, but drafts trained on real text only see loops rarely, and the shipped stages match
+the target no better inside loops than outside (``scripts/eval/dspark_loops.py``).
+
+``RepeatTail`` wraps a batch source: in a fraction ``frac`` of the rows, from a start ``s`` drawn
+in ``[L/4, 3L/4)`` every token is replaced by the period of ``P`` tokens just before it (``P``
+drawn in ``[min_period, max_period]``), i.e. the row reads ``text[:s]`` then ``text[s-P:s]`` over
+and over. The labels stay the target's own logits
 on that text (the DSpark loss), so the draft learns what the target does on loops.
 
 Deterministic in ``(seed, batch index)``, like the batches, so a resumed run sees what a straight
