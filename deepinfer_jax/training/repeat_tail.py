@@ -8,8 +8,8 @@ the target no better inside loops than outside (``scripts/eval/dspark_loops.py``
 ``RepeatTail`` wraps a batch source: in a fraction ``frac`` of the rows, from a start ``s`` drawn
 in ``[L/4, 3L/4)`` every token is replaced by the period of ``P`` tokens just before it (``P``
 drawn in ``[min_period, max_period]``), i.e. the row reads ``text[:s]`` then ``text[s-P:s]`` over
-and over. The labels stay the target's own logits
-on that text (the DSpark loss), so the draft learns what the target does on loops.
+and over. The labels stay the target's own logits on that text (the DSpark loss), so the draft
+learns what the target does on loops.
 
 Deterministic in ``(seed, batch index)``, like the batches, so a resumed run sees what a straight
 run sees.
@@ -60,11 +60,8 @@ def loop_mask(tokens_L: np.ndarray, max_period: int = 64, min_len: int = 8) -> n
         n = max(2 * P, min_len)
         if n > L:
             break
-        same = np.concatenate([np.zeros(P, bool), row[P:] == row[:-P]])   # same[t]: row[t] == row[t - P]
-        run = np.zeros(L, np.int64)                                       # consecutive True up to t
-        c = 0
-        for t in range(L):
-            c = c + 1 if same[t] else 0
-            run[t] = c
-        out |= run >= n - P
+        w = n - P   # the window repeats with period P iff its last w tokens equal those P before
+        cs = np.concatenate([[0], np.cumsum(row[P:] == row[:-P])])   # cs[i]: matches among t = P .. P+i-1
+        t = np.arange(n - 1, L)
+        out[t] |= cs[t - P + 1] - cs[t - P + 1 - w] == w
     return out

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
@@ -44,11 +45,10 @@ def main(argv=None) -> int:
     import numpy as np
     from tqdm.auto import tqdm
 
-    from deepinfer_jax.checkpoint.dequantize import dequantize_checkpoint
-    from deepinfer_jax.config import ModelConfig
+    from train import engram_ids_fn            # scripts/train/train.py
+    from train_dspark import load_backbone     # scripts/train/train_dspark.py
+
     from deepinfer_jax.models.registry import resolve_model
-    from deepinfer_jax.models.weights import load_model
-    from deepinfer_jax.runner.engram_hash import EngramHasher
     from deepinfer_jax.tokenizer.loader import load_tokenizer
     from deepinfer_jax.training.data import TokenBatches
     from deepinfer_jax.training.dspark_step import DSparkTrainer
@@ -56,16 +56,10 @@ def main(argv=None) -> int:
     from deepinfer_jax.training.repeat_tail import RepeatTail
 
     d = resolve_model(args.model, progress=False)
-    cfg = ModelConfig.from_json(d)
-    tmp = tempfile.mkdtemp(prefix="repeat_tail_probe_")
-    if cfg.weight_dtype != "bf16" or cfg.expert_dtype != "bf16":
-        dequantize_checkpoint(d, os.path.join(tmp, "bf16"))
-        model = load_model(os.path.join(tmp, "bf16"))
-    else:
-        model = load_model(d)
+    model, _, _ = load_backbone(d, tempfile.mkdtemp(prefix="repeat_tail_probe_"))   # an fp8 one as its exact bf16 copy
+    cfg = model.cfg
     tok = load_tokenizer(d, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-    tp = os.path.join(d, "tokenizer.json")
-    hasher = EngramHasher.from_model_config(cfg, tp if os.path.exists(tp) else None) if cfg.engram_enabled else None
+    eng = engram_ids_fn(cfg, d) or (lambda T: None)
     root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deepinfer_jax"))
     ids: list[int] = []
     for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
@@ -74,11 +68,6 @@ def main(argv=None) -> int:
     ids_N = np.asarray(ids, np.int32)
     cut = int(len(ids_N) * 0.8)
     L = args.seq_len
-
-    def eng(T):
-        if hasher is None:
-            return None
-        return np.stack([hasher.hash_positions(r, np.arange(len(r))) for r in T]).astype(np.int32)
 
     src = TokenBatches(ids_N[:cut], args.batch, L, seed=0)
     batches = RepeatTail(src, args.frac, seed=0) if args.frac else src
