@@ -46,7 +46,7 @@ _FIELD_TYPES = {
     "max_num_seqs": ("int", 1, False), "max_num_batched_tokens": ("int", 1, False),
     "max_model_len": ("int", None, True), "block_tokens": ("int", None, True),
     "num_blocks": ("int", 1, True), "enable_prefix_caching": ("bool", None, False),
-    "index_key_dtype": ("str", None, False), "prefix_replay": ("str", None, False),
+    "index_key_dtype": ("str", None, False), "kv_cache_dtype": ("str", None, False), "prefix_replay": ("str", None, False),
     "prefix_replay_tokens": ("int", None, True),
     "yoco_truncation": ("str", None, False), "yoco_keep_tokens": ("int", 0, False),
     "max_backtracking_tokens": ("int", 0, False), "async_scheduling": ("bool", None, False),
@@ -81,6 +81,7 @@ class EngineConfig:
     num_blocks: int | None = None          # default: max_num_seqs full-length sequences
     enable_prefix_caching: bool = True
     index_key_dtype: str = "bf16"          # index-key cache: "bf16" or "fp8" (same results, 52% of the bytes)
+    kv_cache_dtype: str = "bf16"           # window + compressed KV: "bf16" or "packed" (same results, 52% / 28%)
     # a prefix-cache hit rebuilds the sliding-window state by replaying the tail of the cached
     # prefix (host_scheduler/scheduler.py): "bounded" replays prefix_replay_tokens (default
     # yoco_keep_tokens), DeepSeek's approximation; "exact" replays (n_layers-1)*(W-1)+W, the
@@ -216,6 +217,10 @@ class EngineConfig:
 
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             self._bad("index_key_dtype", f"expected one of {INDEX_KEY_DTYPES}")
+        from deepinfer_jax.base.kv_codes import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            self._bad("kv_cache_dtype", f"expected one of {KV_CACHE_DTYPES}")
         if self.max_logprobs < 0:
             self._bad("max_logprobs", "must be >= 0")
         if self.seed < 0:

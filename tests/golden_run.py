@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.cache import CacheConfig, index_keys
+from deepinfer_jax.models.cache import CacheConfig, comp_entries, index_keys, window_entries
 from deepinfer_jax.runner.engram_hash import EngramHasher
 from deepinfer_jax.runner.sequence_driver import SequenceDriver
 from deepinfer_jax.models.weights import load_model
@@ -32,7 +32,7 @@ def model_dir_of(golden: Path, name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def run_golden(golden: str, name: str, index_key_dtype: str = "bf16") -> dict:
+def run_golden(golden: str, name: str, index_key_dtype: str = "bf16", kv_cache_dtype: str = "bf16") -> dict:
     g_dir = Path(golden)
     d = g_dir / name
     g = dict(np.load(d / "golden.npz"))
@@ -43,7 +43,7 @@ def run_golden(golden: str, name: str, index_key_dtype: str = "bf16") -> dict:
     S = g["decode_logits"].shape[1]
     bt = 32
     cc = CacheConfig(num_slots=2, num_blocks=32, block_tokens=bt, max_blocks_per_seq=-(-(len(prompt) + S + 1) // bt),
-                     index_key_dtype=index_key_dtype)
+                     index_key_dtype=index_key_dtype, kv_cache_dtype=kv_cache_dtype)
     drv = SequenceDriver(model, cc, hasher)
     out: dict = {"cfg": cfg, "golden": g, "prompt": prompt}
     lg, main_hidden, taps = drv.step([(0, prompt)], logits="all", with_taps=True)
@@ -67,8 +67,8 @@ def run_golden(golden: str, name: str, index_key_dtype: str = "bf16") -> dict:
 
 def _cache_np(drv: SequenceDriver) -> dict:
     c = drv.cache
-    return {"window": [np.asarray(w, np.float32) for w in c.window],
-            "comp_kv": [np.asarray(x, np.float32) for x in c.comp_kv],
+    return {"window": [np.asarray(window_entries(c, i), np.float32) for i in range(len(c.window))],
+            "comp_kv": [np.asarray(comp_entries(c, i), np.float32) for i in range(len(c.comp_kv))],
             "index_k": [np.asarray(index_keys(c, i), np.float32) for i in range(len(c.index_k))],
             "dspark_window": [np.asarray(x, np.float32) for x in c.dspark_window],
             "blocks": list(drv.blocks[0])}

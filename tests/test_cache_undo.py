@@ -53,8 +53,8 @@ from deepinfer_jax.runner.sequence_driver import SequenceDriver, _step
 # (drafts per verification row K, accepted counts of slots 0-2, prompt lengths = position of each
 # slot's y, index key storage). K = 2: the ratio-4 state ring is r = 4 > K + 1 positions.
 SCENARIOS = {
-    "K5-fp8keys": (5, (0, 2, 5), (221, 300, 263), "fp8"),
-    "K2-bf16keys": (2, (0, 1, 2), (222, 301, 263), "bf16"),
+    "K5-fp8keys-packedkv": (5, (0, 2, 5), (221, 300, 263), "fp8", "packed"),
+    "K2-bf16keys": (2, (0, 1, 2), (222, 301, 263), "bf16", "bf16"),
 }
 PREFILL_SLOT, PREFILL_LEN, PREFILL_CHUNK = 3, 150, 20
 T, R = 128, 4              # tokens and rows of every step
@@ -69,9 +69,9 @@ def undo_config():
         index_source_layer_ids=(1, 2, 3, 5)).validate()
 
 
-def cache_config(spec_tokens: int, index_key_dtype: str = "fp8") -> CacheConfig:
+def cache_config(spec_tokens: int, index_key_dtype: str = "fp8", kv_cache_dtype: str = "bf16") -> CacheConfig:
     return CacheConfig(num_slots=R, num_blocks=R * MAX_BLOCKS, block_tokens=BT, max_blocks_per_seq=MAX_BLOCKS,
-                       index_key_dtype=index_key_dtype, spec_tokens=spec_tokens)
+                       index_key_dtype=index_key_dtype, kv_cache_dtype=kv_cache_dtype, spec_tokens=spec_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "block_tokens"), donate_argnames=("cache",))
@@ -135,10 +135,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(SCENARIOS))
 def scenario(request, tiny):
-    k, accepted, prompts, keys = SCENARIOS[request.param]
+    k, accepted, prompts, keys, kv = SCENARIOS[request.param]
     assert_coverage(accepted, prompts, k, model_w=tiny[0].cfg.sliding_window)
     model, hasher = tiny
-    cc = cache_config(k, keys)
+    cc = cache_config(k, keys, kv)
     drv = SequenceDriver(model, cc, hasher)
     for s in range(R):  # blocks fixed up front: A and B hold the same block tables
         drv._blocks_for(s, cc.max_model_len)
@@ -194,8 +194,10 @@ def test_without_undo_states_differ(scenario):
     cfg = scenario["model"].cfg
     assert all(f"window[{l}]" in bad for l in range(cfg.num_hidden_layers)), bad
     assert all(f"dspark_window[{k}]" in bad for k in range(cfg.num_nextn_predict_layers)), bad
+    packed = bool(scenario["after"]["B"].window_scale)
     for i, src in enumerate(cfg.kv_source_layer_ids):  # every source completed a rejected group
         assert f"comp_kv[{i}]" in bad and f"index_k[{i}]" in bad, bad
+        assert (f"comp_kv_scale[{i}]" in bad) == packed, bad
         assert (f"comp_state_kv[{i}]" in bad) == (cfg.compress_ratios[src] > 1), bad
 
 
@@ -218,7 +220,7 @@ def test_continuation_equal(scenario):
         np.testing.assert_array_equal(x, y)
 
 
-SLOT_FIELDS = ("window", "dspark_window", "comp_state_kv", "comp_state_score")  # [S, ...]; others [B, ...]
+SLOT_FIELDS = ("window", "window_scale", "dspark_window", "comp_state_kv", "comp_state_score")  # [S, ...]; others [B, ...]
 
 
 def test_prefill_row_unaffected(scenario):

@@ -118,6 +118,26 @@ def test_preemption_keeps_outputs(model_dir, prompts16, batched16):
     assert tokens(outs) == tokens(batched16)
 
 
+def test_packed_kv_cache_same_tokens_and_logprobs(model_dir, prompts16, batched16):
+    """``kv_cache_dtype="packed"`` (fp8 / fp4 codes in the window and compressed caches) with too
+    few blocks for the batch (preemptions) and shared prefixes (prefix-cache hits): the same greedy
+    tokens as the bf16 engine, and the same top logprobs."""
+    packed = LLM(model_dir, kv_cache_dtype="packed", num_blocks=8, **BASE)
+    assert tokens(packed.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
+    assert packed.stats.summary()["preemptions"] > 0
+    prefix = sum(prompts16[:4], [])[:150]  # two full blocks of 64 shared
+    shared = [prefix + p[:20] for p in prompts16[4:8]]
+    lp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    outs = {}
+    for kv in ("bf16", "packed"):
+        llm = LLM(model_dir, kv_cache_dtype=kv, **BASE)
+        outs[kv] = llm.generate(shared[:1], lp, use_tqdm=False) + llm.generate(shared[1:], lp, use_tqdm=False)
+    got, want = outs["packed"], outs["bf16"]
+    assert tokens(got) == tokens(want)
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert sum(o.num_cached_tokens for o in got[1:]) > 0
+
+
 def test_prefix_replay_exact_equals_no_cache_and_bounded_saves_work(model_dir):
     """``prefix_replay="exact"`` rebuilds the window state exactly: tokens and logprobs equal the
     no-cache run. ``"bounded"`` (default tail yoco_keep_tokens = 40 here) computes fewer tokens, and
@@ -389,6 +409,8 @@ def test_bad_engine_and_model_config(model_dir):
         LLM(model_dir, yoco_keep_tokens=10, progress=False)
     with pytest.raises(ValueError, match=r"EngineConfig.index_key_dtype='fp16': expected one of"):
         LLM(model_dir, index_key_dtype="fp16", progress=False)
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype='fp8': expected one of \('bf16', 'packed'\)"):
+        LLM(model_dir, kv_cache_dtype="fp8", progress=False)
     with pytest.raises(ValueError, match=r"unknown engine config field\(s\) \['max_seqs'\]"):
         LLM(model_dir, max_seqs=3, progress=False)
     with pytest.raises(ValueError, match=r"SamplingParams.bogus"):

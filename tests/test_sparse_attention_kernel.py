@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from deepinfer_jax.base import kv_codes
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.kernels_pallas import sparse_attention as sa
 from deepinfer_jax.kernels_pallas.sparse_attention_ref import sparse_attention_ref
@@ -113,6 +114,44 @@ def _run(case, seed, *, interpret, out_dtype=jnp.bfloat16, **kw):
     return np.asarray(o, np.float64), np.asarray(ref, np.float64), (q, pools, idxs, sink, scale)
 
 
+def _packed_inputs(case, seed, fmts):
+    """``_inputs`` with pool i stored as ``fmts[i]`` ("bf16", "fp8" window codes, "fp4" compressed
+    codes), pool values at scales spread over 2^-6..2^6 per row (the scales must matter)."""
+    T, H, A, widths, exact = case
+    q, pools, idxs, sink, scale = _inputs(T, H, A, widths, seed)
+    rng = np.random.default_rng(seed + 1)
+    packed = []
+    for p, f in zip(pools, fmts):
+        p = jnp.asarray(np.asarray(p, np.float32) * 2.0 ** rng.integers(-6, 7, (p.shape[0], 1)), jnp.bfloat16)
+        packed.append(p if f == "bf16" else kv_codes.pack_window(p) if f == "fp8" else kv_codes.pack_comp(p))
+    return jnp.asarray(q), tuple(packed), tuple(map(jnp.asarray, idxs)), jnp.asarray(sink), scale, exact
+
+
+def _check_packed(case, fmts, seed, interpret):
+    """The kernel on packed pools == the kernel on the same values stored as bf16, bit for bit
+    (it decodes them exactly), and == the reference on the packed pools within bf16 rounding."""
+    q, pools, idxs, sink, scale, exact = _packed_inputs(case, seed, fmts)
+    plain = tuple(kv_codes.unpack(p) for p in pools)
+    o = np.asarray(sa.sparse_attention(q, pools, idxs, sink, scale, exact, interpret=interpret))
+    o_plain = np.asarray(sa.sparse_attention(q, plain, idxs, sink, scale, exact, interpret=interpret))
+    ref = np.asarray(sparse_attention_ref(q, pools, idxs, sink, scale, exact), np.float64)
+    msg = f"{_ids(case)} {fmts} seed={seed}"
+    np.testing.assert_array_equal(o.view(np.uint16), o_plain.view(np.uint16), err_msg=msg)
+    _check_bf16(np.asarray(o, np.float64), ref, msg)
+
+
+PACKED_CASES = [  # (case, pool formats): the V4.1 decode pair, blocks across pools, a bf16 pool beside
+    ((3, 64, 512, (128, 512), True), ("fp8", "fp4")),
+    ((5, 16, 64, (100, 130), True), ("fp8", "fp4")),
+    ((4, 64, 64, (64, 70), False), ("bf16", "fp4")),
+    ((2, 16, 128, (96,), True), ("fp8",)),
+]
+
+
+def _packed_id(pc):
+    return f"{_ids(pc[0])}-{'+'.join(pc[1])}"
+
+
 def _check_bf16(o, ref, msg):
     assert np.all(np.isfinite(o)), msg
     if o.shape[0] > 1:
@@ -177,6 +216,21 @@ def test_interpret_block_h(block_h):
     _check_bf16(o, ref, f"block_h={block_h} seed={seed}")
 
 
+@pytest.mark.parametrize("pc", PACKED_CASES, ids=_packed_id)
+def test_interpret_packed_pools(pc):
+    _check_packed(*pc, _seed(), interpret=True)
+
+
+def test_packed_pool_checks():
+    """A packed pool of the wrong width falls back with a reason; codes and scales of no packed
+    format are refused by name."""
+    q = jnp.ones((1, 16, 64), jnp.bfloat16)
+    pool = kv_codes.pack_comp(jnp.ones((8, 128), jnp.bfloat16))  # decodes to width 128, not 64
+    assert "128" in sa.supported(q, (pool,), (jnp.zeros((1, 3), jnp.int32),))
+    with pytest.raises(ValueError, match="no packed KV format"):
+        kv_codes.pool_format(kv_codes.PackedPool(jnp.zeros((4, 64), jnp.uint8), jnp.zeros((4, 2), jnp.uint8)))
+
+
 def test_no_entries_gives_zeros():
     q = jnp.asarray(np.random.default_rng(_seed()).standard_normal((2, 16, 64)), jnp.bfloat16)
     pool = jnp.ones((5, 64), jnp.bfloat16)
@@ -235,6 +289,17 @@ def test_lowers_to_triton_sm90(sm90_lowering, T, H, widths, exact):
     assert text.count("__gpu$xla.gpu.triton") == (1 if exact else 2)
 
 
+def test_packed_lowers_to_triton_sm90(sm90_lowering):
+    """The packed-pool decode (integer ops, bitcasts) lowers to Triton IR for an H200."""
+    A, T, H, S = 512, 64, 64, jax.ShapeDtypeStruct
+    win = kv_codes.PackedPool(S((4096, A), jnp.float8_e4m3fn), S((4096, A // 32), jnp.uint8))
+    comp = kv_codes.PackedPool(S((8192, A // 2), jnp.uint8), S((8192, A // 16), jnp.float8_e4m3fn))
+    args = (S((T, H, A), jnp.bfloat16), (win, comp), (S((T, 128), jnp.int32), S((T, 512), jnp.int32)),
+            S((H,), jnp.float32))
+    text = sa.sparse_attention.trace(*args, A ** -0.5, True).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: compiled (run on the device machine with `-m device`)
 # ----------------------------------------------------------------------------------------------
@@ -268,6 +333,13 @@ def test_device_block_h(block_h, exact, widths):
     seed = _seed()
     o, ref, _ = _run((5, 64, 512, widths, exact), seed, interpret=False, block_h=block_h)
     _check_bf16(o, ref, f"block_h={block_h} exact={exact} widths={widths} seed={seed}")
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pc", PACKED_CASES, ids=_packed_id)
+def test_device_packed_pools(pc):
+    _need_gpu()
+    _check_packed(*pc, _seed(), interpret=False)
 
 
 @pytest.mark.device

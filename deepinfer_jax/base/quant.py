@@ -89,14 +89,19 @@ def _straight_through(y: jax.Array, t_x: jax.Array):
     return y, t_x.astype(y.dtype)
 
 
-def e2m1_round(v: jax.Array) -> jax.Array:
-    """fp32 in [-6, 6] -> nearest e2m1 value (round-to-nearest-even), sign kept."""
+def e2m1_code(v: jax.Array) -> jax.Array:
+    """fp32 in [-6, 6] -> the 4-bit e2m1 code of its nearest value (round-to-nearest-even;
+    bit 3 = sign, kept for -0.0), int32: ``FP4_TABLE[code]`` is the rounded value."""
     mag = jnp.abs(v)
     code = jnp.zeros(v.shape, jnp.int32)
     for mid, up in zip(_E2M1_MIDS, _E2M1_TIE_UP):
         code = code + (mag > mid) + ((mag == mid) & up)
-    val = jnp.asarray(E2M1_GRID)[code]
-    return jnp.where(jnp.signbit(v), -val, val)
+    return code | (jnp.signbit(v).astype(jnp.int32) << 3)
+
+
+def e2m1_round(v: jax.Array) -> jax.Array:
+    """fp32 in [-6, 6] -> nearest e2m1 value (round-to-nearest-even), sign kept."""
+    return jnp.asarray(FP4_TABLE)[e2m1_code(v)]
 
 
 def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> jax.Array:
@@ -108,8 +113,9 @@ def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> ja
     return _qdq_fp4(x, block, scale_fmt)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _qdq_fp4(x: jax.Array, block: int, scale_fmt: str) -> jax.Array:
+def act_quant_fp4_values(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
+    """The two factors of ``act_quant_fp4``: e2m1 values (f32 ``[.., K]``, rounded) and the f32
+    scales ``[.., K/block]``; their product is the QDQ."""
     xg = _blocks(x, block)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     if scale_fmt == "e4m3":
@@ -120,8 +126,14 @@ def _qdq_fp4(x: jax.Array, block: int, scale_fmt: str) -> jax.Array:
         s = pow2_ceil_scale(amax, _FP4_MAX_INV)
     else:
         raise ValueError(f"scale_fmt={scale_fmt!r}: expected 'ue8m0' or 'e4m3'")
-    v = jnp.clip(xg / s, -FP4_MAX, FP4_MAX)
-    return (e2m1_round(v) * s).reshape(x.shape).astype(x.dtype)
+    v = e2m1_round(jnp.clip(xg / s, -FP4_MAX, FP4_MAX))
+    return v.reshape(x.shape), s[..., 0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _qdq_fp4(x: jax.Array, block: int, scale_fmt: str) -> jax.Array:
+    v, s = act_quant_fp4_values(x, block, scale_fmt)
+    return (_blocks(v, block) * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
 @_qdq_fp4.defjvp

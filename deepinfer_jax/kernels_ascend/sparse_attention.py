@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.base import kv_codes
 
-def _float(x: jax.Array) -> jax.Array:
+
+def _float(x) -> jax.Array:
+    """A pool as the custom call takes it: bf16 / f32 rows. A packed pool (``kv_codes``) is
+    decoded whole first: the custom call has no packed form yet."""
+    if kv_codes.pool_format(x) != "bf16":
+        return kv_codes.unpack(x)
     return x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.base import quant
+from deepinfer_jax.base import kv_codes, quant
 
 
 def _pool_rows(pool_NA: jax.Array, first: bool, B: int, L: int) -> tuple[int, int]:
@@ -49,6 +49,7 @@ def sparse_attention_rows(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: 
         raise ValueError(f"full rows: {T} tokens != batch*seq_len = {B}*{L}")
     row_T = jnp.arange(T) // L
     q = q_THA.reshape(B, L, H, A).astype(jnp.bfloat16)
+    pools = tuple(kv_codes.unpack(p) for p in pools)  # packed caches: decoded whole (training sizes)
     scores, kvs = [], []
     for p, (pool, idx) in enumerate(zip(pools, idxs)):
         base, n = _pool_rows(pool, p == 0, B, L)

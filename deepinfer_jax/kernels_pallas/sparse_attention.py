@@ -41,6 +41,11 @@ ptxas 13.4: at H = 64, A = 512 (block_h 64, 8 warps, 2 stages) 193 KiB shared me
 16-byte ``cp.async`` gathers, 255 registers with ~170 B of spills; block_h 32 / 16 use mma.sync
 with 100 / 82 KiB and no spills. XLA's own Triton may differ somewhat.
 
+Packed pools (``kv_codes.PackedPool``, ``kv_cache_dtype="packed"``): the row gather reads the
+codes and the scales of the 64 entries (fp8 window entries: A + A/32 bytes a row; fp4 compressed
+entries: A/2 + A/16) and decodes them in registers with integer ops and a bitcast to f32 (exact,
+as ``kv_codes.unpack``) into the same bf16 tile; the e4m3 codes and scales travel as uint8.
+
 Shapes: ``block_h`` and ``A`` must be powers of two >= 16 (Triton tensor sizes); H is padded up
 to a multiple of ``block_h`` (any H >= 1 works; H >= 16 per device avoids wasted MMA rows).
 Stacking several tokens into the M dimension is valid only for tokens with the same index lists
@@ -59,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from deepinfer_jax.base import kv_codes
 from deepinfer_jax.kernels_pallas import tiling
 from deepinfer_jax.kernels_pallas.sparse_attention_ref import BLOCK as _REF_BLOCK
 
@@ -144,20 +150,63 @@ def _gather(pool_ref, idx, ok, A: int, other):
     return plgpu.load(pool_ref.at[safe[:, None], cols[None, :]], mask=ok[:, None], other=other)
 
 
+def _gather_bytes(ref, idx, ok, cols_A):
+    """``[BLOCK, A]`` int32 bytes ``ref[idx, cols_A]`` (uint8 ref; 0 where not ``ok``)."""
+    safe = jnp.minimum(jnp.where(ok, idx, 0), ref.shape[0] - 1)
+    b = plgpu.load(ref.at[safe[:, None], cols_A[None, :]], mask=ok[:, None], other=0)
+    return b.astype(jnp.int32) & 0xFF
+
+
+def decode_e4m3(b):
+    """e4m3fn bytes (int32 0..255) -> f32 values (exact; no NaN code is ever stored)."""
+    e, m = (b >> 3) & 15, b & 7
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    mag = jnp.where(e == 0, m.astype(jnp.float32) * (2.0 ** -9), normal)
+    return jnp.where((b >> 7) == 1, -mag, mag)
+
+
+def decode_e2m1(c):
+    """e2m1 codes (int32 0..15, bit 3 the sign) -> f32 values (exact)."""
+    e, m = (c >> 1) & 3, c & 1
+    normal = jax.lax.bitcast_convert_type(((e + 126) << 23) | (m << 22), jnp.float32)
+    mag = jnp.where(e == 0, m.astype(jnp.float32) * 0.5, normal)
+    return jnp.where((c >> 3) == 1, -mag, mag)
+
+
+def _gather_packed(refs, fmt: str, idx, ok, A: int):
+    """``[BLOCK, A]`` bf16 decoded rows of a packed pool (0 where not ``ok``)."""
+    codes_ref, scales_ref = refs
+    cols = jnp.arange(A, dtype=jnp.int32)
+    if fmt == "fp8":
+        v = decode_e4m3(_gather_bytes(codes_ref, idx, ok, cols))
+        e = _gather_bytes(scales_ref, idx, ok, cols // kv_codes.WINDOW_BLOCK)
+        s = jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+    else:
+        b = _gather_bytes(codes_ref, idx, ok, cols // 2)
+        v = decode_e2m1(jnp.where(cols[None, :] % 2 == 0, b & 15, b >> 4))
+        s = decode_e4m3(_gather_bytes(scales_ref, idx, ok, cols // kv_codes.COMP_BLOCK))
+    return (v * s).astype(jnp.bfloat16)
+
+
 def _block_scores(q, pool_refs, idx_ref, b, parts, scale: float, A: int):
     """Scores ``[Hb, BLOCK]`` (-inf where unused) and the gathered bf16 tile of block ``b``.
 
     A block straddling pools chains one masked gather per pool, each filling in the rows the
-    previous ones left (``other=``): still one ``[BLOCK, A]`` tile and one pair of MMAs."""
+    previous ones left (``other=``): still one ``[BLOCK, A]`` tile and one pair of MMAs.
+    ``pool_refs[i]`` is ``(fmt, refs)``: a bf16 pool's one ref or a packed pool's two."""
     idx = idx_ref[pl.ds(b * BLOCK, BLOCK)]
     valid = idx >= 0
     pos = jnp.arange(BLOCK, dtype=jnp.int32)
     kv = None
     for pool, lo, hi in parts:
         ok = valid if (lo, hi) == (0, BLOCK) else valid & (pos >= lo) & (pos < hi)
-        dtype = pool_refs[pool].dtype
-        other = 0.0 if kv is None else kv.astype(dtype)
-        kv = _gather(pool_refs[pool], idx, ok, A, other)
+        fmt, refs = pool_refs[pool]
+        if fmt == "bf16":
+            other = 0.0 if kv is None else kv.astype(refs[0].dtype)
+            kv = _gather(refs[0], idx, ok, A, other)
+        else:
+            tile = _gather_packed(refs, fmt, idx, ok, A)
+            kv = tile if kv is None else jnp.where(ok[:, None], tile, kv.astype(jnp.bfloat16))
     kv = kv.astype(jnp.bfloat16)
     s = plgpu.dot(q, kv, trans_b=True) * scale  # [Hb, BLOCK] fp32
     s = jnp.where(valid[None, :], s, -jnp.inf)
@@ -174,11 +223,21 @@ def _walk(plan, ends_ref, body, carry):
     return carry
 
 
-def _attn_kernel(q_ref, idx_ref, ends_ref, sink_ref, *rest, n_pools: int, plan, scale: float,
+def _group_refs(refs, fmts: tuple[str, ...]):
+    """The flat pool refs -> ``[(fmt, refs of that pool)]`` (a packed pool has two) and the rest."""
+    out, i = [], 0
+    for f in fmts:
+        n = 1 if f == "bf16" else 2
+        out.append((f, tuple(refs[i:i + n])))
+        i += n
+    return out, refs[i:]
+
+
+def _attn_kernel(q_ref, idx_ref, ends_ref, sink_ref, *rest, fmts: tuple[str, ...], plan, scale: float,
                  has_m0: bool):
     if has_m0:
         m0_ref, *rest = rest
-    pool_refs, o_ref = rest[:n_pools], rest[n_pools]
+    pool_refs, (o_ref,) = _group_refs(rest, fmts)
     q = q_ref[...].astype(jnp.bfloat16)  # [Hb, A]
     Hb, A = q.shape
 
@@ -203,9 +262,9 @@ def _attn_kernel(q_ref, idx_ref, ends_ref, sink_ref, *rest, n_pools: int, plan, 
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
-def _max_kernel(q_ref, idx_ref, ends_ref, *rest, n_pools: int, plan, scale: float):
+def _max_kernel(q_ref, idx_ref, ends_ref, *rest, fmts: tuple[str, ...], plan, scale: float):
     """First pass of ``exact=False``: the final running max per head, floored at -1e30."""
-    pool_refs, m_ref = rest[:n_pools], rest[n_pools]
+    pool_refs, (m_ref,) = _group_refs(rest, fmts)
     q = q_ref[...].astype(jnp.bfloat16)
     Hb, A = q.shape
 
@@ -227,9 +286,22 @@ def supported(q_THA, pools, idxs) -> str | None:
     if len(pools) != len(idxs) or not pools:
         return "pools and idxs must pair up"
     for p, i in zip(pools, idxs):
-        if p.ndim != 2 or p.shape[1] != A or i.ndim != 2 or i.shape[0] != q_THA.shape[0]:
-            return f"pool {p.shape} / idx {i.shape} do not match q {q_THA.shape}"
+        fmt = kv_codes.pool_format(p)
+        rows = p.codes.shape[0] if fmt != "bf16" else p.shape[0]
+        width = p.width if fmt != "bf16" else p.shape[1]
+        if (fmt == "bf16" and p.ndim != 2) or width != A or i.ndim != 2 or i.shape[0] != q_THA.shape[0]:
+            return f"pool of {rows} x {width} ({fmt}) / idx {i.shape} do not match q {q_THA.shape}"
+        if fmt == "fp8" and A % kv_codes.WINDOW_BLOCK:
+            return f"head_dim {A} is not a multiple of the fp8 pool's scale block {kv_codes.WINDOW_BLOCK}"
     return None
+
+
+def _flat_pool_arrays(pool) -> tuple[jax.Array, ...]:
+    """What the kernel reads of a pool: the bf16 array, or a packed pool's codes and scales as
+    uint8 (e4m3 bytes bitcast: the kernel decodes the bits itself)."""
+    if kv_codes.pool_format(pool) == "bf16":
+        return (pool,)
+    return tuple(a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8) for a in pool)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "exact", "interpret", "block_h",
@@ -277,14 +349,15 @@ def sparse_attention(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: tuple
     q_spec = pl.BlockSpec((None, bh, A), lambda i: (i // n_hb, i % n_hb, 0))
     idx_spec = pl.BlockSpec((None, Mp), lambda i: (i // n_hb, 0))
     th_spec = pl.BlockSpec((None, bh), lambda i: (i // n_hb, i % n_hb))
-    pool_specs = [pl.BlockSpec(p.shape, lambda i: (0, 0)) for p in pools]
+    fmts = tuple(kv_codes.pool_format(p) for p in pools)
+    flat = tuple(a for p in pools for a in _flat_pool_arrays(p))
+    pool_specs = [pl.BlockSpec(a.shape, lambda i: (0, 0)) for a in flat]
     params = plgpu.CompilerParams(num_warps=nw, num_stages=ns)
-    n_pools = len(pools)
 
     m0 = ()
     if not exact:
         m_final = pl.pallas_call(
-            functools.partial(_max_kernel, n_pools=n_pools, plan=plan, scale=float(scale)),
+            functools.partial(_max_kernel, fmts=fmts, plan=plan, scale=float(scale)),
             grid=grid,
             in_specs=[q_spec, idx_spec, ends_spec, *pool_specs],
             out_specs=th_spec,
@@ -292,11 +365,11 @@ def sparse_attention(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: tuple
             compiler_params=params,
             interpret=interpret,
             name="sparse_attn_max",
-        )(q, idx, ends, *pools)
+        )(q, idx, ends, *flat)
         m0 = (m_final,)
 
     out = pl.pallas_call(
-        functools.partial(_attn_kernel, n_pools=n_pools, plan=plan, scale=float(scale),
+        functools.partial(_attn_kernel, fmts=fmts, plan=plan, scale=float(scale),
                           has_m0=not exact),
         grid=grid,
         in_specs=[q_spec, idx_spec, ends_spec, pl.BlockSpec((bh,), lambda i: (i % n_hb,)),
@@ -306,7 +379,7 @@ def sparse_attention(q_THA: jax.Array, pools: tuple[jax.Array, ...], idxs: tuple
         compiler_params=params,
         interpret=interpret,
         name="sparse_attn",
-    )(q, idx, ends, sink, *m0, *pools)
+    )(q, idx, ends, sink, *m0, *flat)
     return out[:, :H] if Hp != H else out
 
 

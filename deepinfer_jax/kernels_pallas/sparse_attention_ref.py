@@ -6,6 +6,9 @@ and value; ``-1`` = unused) of one or more KV pools, with all H heads sharing th
     s[t,h,m] = q[t,h] . kv[idx[t,m]] * scale
     o[t,h]   = sum_m p[t,h,m] kv[idx[t,m]],   p = exp(s) / (exp(sink_h) + sum_m exp(s))
 
+A pool is a ``[N, A]`` array or a ``kv_codes.PackedPool`` (the packed caches): only the gathered
+rows are decoded, to the values the bf16 cache would hold.
+
 ``exact=True`` reproduces the reference kernel's rounding: an online softmax over blocks of 64
 entries whose probabilities are rounded to bf16 relative to the *running* max before the PV
 product (the denominator keeps fp32 probabilities). ``exact=False`` rounds the same way but
@@ -18,16 +21,17 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.base import batch_invariant as bi
+from deepinfer_jax.base import kv_codes
 
 BLOCK = 64  # entries per online-softmax step of the reference kernel
 
 
-def gather_kv(pools: tuple[jax.Array, ...], idxs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    """Gather ``[T, M, A]`` entries (M = sum of the index widths, in order) and the valid mask."""
+def gather_kv(pools: tuple, idxs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    """Gather ``[T, M, A]`` bf16 entries (M = sum of the index widths, in order) and the valid mask."""
     kvs, valid = [], []
     for pool_NA, idx_TM in zip(pools, idxs):
         ok = idx_TM >= 0
-        kvs.append(jnp.take(pool_NA, jnp.where(ok, idx_TM, 0), axis=0))
+        kvs.append(kv_codes.take_rows(pool_NA, jnp.where(ok, idx_TM, 0)))
         valid.append(ok)
     return jnp.concatenate(kvs, axis=1), jnp.concatenate(valid, axis=1)
 

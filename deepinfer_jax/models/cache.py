@@ -2,6 +2,12 @@
 
 * ``window[l]``: per backbone layer, ring of W latents per sliding-window slot ``[S, W, A]``
   (position p in ring slot p % W), fp8-QDQ'd bf16 values.
+* ``CacheConfig.kv_cache_dtype="packed"`` stores the window rings and ``comp_kv`` as codes
+  (``base/kv_codes.py``): ``window[l]`` e4m3 ``[S, W, A]`` with ``window_scale[l]`` ``[S, W, A/32]``
+  ue8m0 bytes, ``comp_kv[i]`` two e2m1 a byte ``[B, P, A/2]`` with ``comp_kv_scale[i]``
+  ``[B, P, A/16]`` e4m3: 528 and 288 bytes an entry at A = 512 instead of 1024, the same values
+  bit for bit (``window_entries`` / ``comp_entries`` decode them). With ``"bf16"`` (default) the
+  two scale fields are empty.
 * ``comp_kv[i]`` / ``index_k[i]``: per KV-source layer ``kv_source_layer_ids[i]`` with ratio r,
   paged ``[B, P, A]`` / ``[B, P, J]`` with ``P = block_tokens // r`` compressed entries per block.
   ``CacheConfig.index_key_dtype``: ``"bf16"`` (default) stores the fp4-QDQ'd keys as bf16 and
@@ -27,11 +33,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.base import quant
+from deepinfer_jax.base import kv_codes, quant
 from deepinfer_jax.base.block_size import block_tokens_problem, block_tokens_unit, default_block_tokens  # noqa: F401
 
 
 INDEX_KEY_DTYPES = quant.INDEX_KEY_DTYPES
+KV_CACHE_DTYPES = kv_codes.KV_CACHE_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,7 @@ class CacheConfig:
     block_tokens: int = 64      # positions per block: a multiple of every ratio and candidate block
     max_blocks_per_seq: int = 16
     index_key_dtype: str = "bf16"  # "bf16" | "fp8" (e5m2 codes + a scale per key; see the module doc)
+    kv_cache_dtype: str = "bf16"   # "bf16" | "packed" (window fp8 and compressed fp4 codes; see the module doc)
     spec_tokens: int = 0        # most drafts a verification row carries (sizes the compressor state ring)
 
     def validate(self, cfg) -> "CacheConfig":
@@ -54,6 +62,11 @@ class CacheConfig:
                              f"spec_tokens + 1 positions must fit the sliding window ({cfg.sliding_window})")
         if self.index_key_dtype not in INDEX_KEY_DTYPES:
             raise ValueError(f"CacheConfig.index_key_dtype={self.index_key_dtype!r}: expected one of {INDEX_KEY_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"CacheConfig.kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype == "packed" and cfg.head_dim % kv_codes.WINDOW_BLOCK:
+            raise ValueError(f"CacheConfig.kv_cache_dtype='packed': head_dim {cfg.head_dim} is not a multiple of "
+                             f"{kv_codes.WINDOW_BLOCK} (the fp8 scale block)")
         problem = block_tokens_problem(cfg, self.block_tokens)
         if problem:
             raise ValueError(f"CacheConfig.block_tokens={self.block_tokens}: {problem}")
@@ -78,6 +91,24 @@ class ModelCache:
     comp_state_kv: tuple
     comp_state_score: tuple
     dspark_window: tuple
+    window_scale: tuple = ()   # packed caches only (see the module doc)
+    comp_kv_scale: tuple = ()
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.window_scale)
+
+    def window_pool(self, layer: int):
+        """Layer ``layer``'s window ring as stored: ``[S, W, A]`` bf16 or a ``PackedPool``."""
+        if not self.packed:
+            return self.window[layer]
+        return kv_codes.PackedPool(self.window[layer], self.window_scale[layer])
+
+    def comp_pool(self, i: int):
+        """KV source ``i``'s compressed entries as stored: ``[B, P, A]`` bf16 or a ``PackedPool``."""
+        if not self.packed:
+            return self.comp_kv[i]
+        return kv_codes.PackedPool(self.comp_kv[i], self.comp_kv_scale[i])
 
 
 def cache_block_tokens(cache: ModelCache, cfg) -> int:
@@ -85,6 +116,16 @@ def cache_block_tokens(cache: ModelCache, cfg) -> int:
     if not cfg.kv_source_layer_ids:
         return 1
     return cache.comp_kv[0].shape[1] * cfg.compress_ratios[cfg.kv_source_layer_ids[0]]
+
+
+def window_entries(cache: ModelCache, layer: int) -> jax.Array:
+    """Layer ``layer``'s window ring ``[S, W, A]`` as bf16 (decoded when packed)."""
+    return kv_codes.unpack(cache.window_pool(layer))
+
+
+def comp_entries(cache: ModelCache, i: int) -> jax.Array:
+    """KV source ``i``'s compressed entries ``[B, P, A]`` as bf16 (decoded when packed)."""
+    return kv_codes.unpack(cache.comp_pool(i))
 
 
 def index_keys(cache: ModelCache, i: int) -> jax.Array:
@@ -97,12 +138,22 @@ def index_keys(cache: ModelCache, i: int) -> jax.Array:
 def allocate_cache(cfg, cc: CacheConfig) -> ModelCache:
     cc.validate(cfg)
     S, W, A, J = cc.num_slots, cfg.sliding_window, cfg.head_dim, cfg.index_head_dim
-    window = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(cfg.num_hidden_layers))
-    comp_kv, index_k, index_s, st_kv, st_sc = [], [], [], [], []
+    packed = cc.kv_cache_dtype == "packed"
+    L = cfg.num_hidden_layers
+    if packed:  # zero codes decode to 0.0 whatever the scale; scale bytes 127 / e4m3 1.0 keep them finite
+        window = tuple(jnp.zeros((S, W, A), jnp.float8_e4m3fn) for _ in range(L))
+        window_s = tuple(jnp.full((S, W, A // kv_codes.WINDOW_BLOCK), 127, jnp.uint8) for _ in range(L))
+    else:
+        window, window_s = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(L)), ()
+    comp_kv, comp_s, index_k, index_s, st_kv, st_sc = [], [], [], [], [], []
     for src in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[src]
         P = cc.block_tokens // r
-        comp_kv.append(jnp.zeros((cc.num_blocks, P, A), jnp.bfloat16))
+        if packed:
+            comp_kv.append(jnp.zeros((cc.num_blocks, P, A // 2), jnp.uint8))
+            comp_s.append(jnp.ones((cc.num_blocks, P, A // kv_codes.COMP_BLOCK), jnp.float8_e4m3fn))
+        else:
+            comp_kv.append(jnp.zeros((cc.num_blocks, P, A), jnp.bfloat16))
         coded = cc.index_key_dtype == "fp8"
         index_k.append(jnp.zeros((cc.num_blocks, P, J), quant.INDEX_KEY_DTYPE if coded else jnp.bfloat16))
         if coded:
@@ -113,4 +164,5 @@ def allocate_cache(cfg, cc: CacheConfig) -> ModelCache:
     n_stages = cfg.num_nextn_predict_layers if cfg.dspark_enabled else 0
     dspark = tuple(jnp.zeros((S, W, A), jnp.bfloat16) for _ in range(n_stages))
     return ModelCache(window=window, comp_kv=tuple(comp_kv), index_k=tuple(index_k), index_k_scale=tuple(index_s),
-                      comp_state_kv=tuple(st_kv), comp_state_score=tuple(st_sc), dspark_window=dspark)
+                      comp_state_kv=tuple(st_kv), comp_state_score=tuple(st_sc), dspark_window=dspark,
+                      window_scale=window_s, comp_kv_scale=tuple(comp_s))

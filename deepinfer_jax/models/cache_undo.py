@@ -20,11 +20,11 @@ the forward's writes and reads, and the restore; without them it copies the dona
 
 Recorded locations are the layers' own write masks:
 
-* ``window[l]``, ``dspark_window[k]``: ring slot ``slot * W + pos % W`` of each row's last W
+* ``window[l]`` (and ``window_scale[l]`` when packed), ``dspark_window[k]``: ring slot ``slot * W + pos % W`` of each row's last W
   positions (``StepContext.ring_write``);
 * ``comp_state_kv/score[i]`` (ratio r > 1): ``slot * M + pos % M`` of each row's last M
   positions; ratio-1 sources write no state (empty log);
-* ``comp_kv[i]``, ``index_k[i]``, ``index_k_scale[i]``: the paged entry ``pos // r`` of a token
+* ``comp_kv[i]``, ``comp_kv_scale[i]``, ``index_k[i]``, ``index_k_scale[i]``: the paged entry ``pos // r`` of a token
   that completes its group at or above its row's ``cache_start`` (``StepContext.entry_index``).
 
 The caller's contract: a row's rejected tokens are a suffix of it, and a row with rejections has
@@ -89,8 +89,10 @@ def record_undo(cache: ModelCache, batch: ForwardBatch, block_tokens: int, cfg) 
     none = jnp.zeros((0,), jnp.int32)
     index = {
         "window": tuple(_ring_rows(ctx, a) for a in cache.window),
+        "window_scale": tuple(_ring_rows(ctx, a) for a in cache.window_scale),
         "dspark_window": tuple(_ring_rows(ctx, a) for a in cache.dspark_window),
         "comp_kv": tuple(_entry_rows(ctx, r) for r in ratios),
+        "comp_kv_scale": tuple(_entry_rows(ctx, r) for r in ratios[:len(cache.comp_kv_scale)]),
         "index_k": tuple(_entry_rows(ctx, r) for r in ratios),
         "index_k_scale": tuple(_entry_rows(ctx, r) for r in ratios[:len(cache.index_k_scale)]),
         "comp_state_kv": tuple(_ring_rows(ctx, a) if r > 1 else none for a, r in zip(cache.comp_state_kv, ratios)),

@@ -218,7 +218,8 @@ class DPModelRunner(ModelRunner):
         cc = self.cache_config
         whole = CacheConfig(num_slots=self.dp * cc.num_slots, num_blocks=self.dp * cc.num_blocks,
                             block_tokens=cc.block_tokens, max_blocks_per_seq=cc.max_blocks_per_seq,
-                            index_key_dtype=cc.index_key_dtype, spec_tokens=cc.spec_tokens)
+                            index_key_dtype=cc.index_key_dtype, kv_cache_dtype=cc.kv_cache_dtype,
+                            spec_tokens=cc.spec_tokens)
         shape = jax.eval_shape(lambda: allocate_cache(self.cfg, whole))
         out = jax.tree.map(lambda _: NamedSharding(self.mesh, DP), shape)
         # made in place on every rank's devices (no whole copy on one device first)

@@ -215,7 +215,8 @@ class ModelRunner:
         self.spec_plain = bool(self.spec_slots and getattr(ec, "spec_plain_steps", False))
         self.cache_config = CacheConfig(num_slots=ec.max_num_seqs, num_blocks=ec.num_blocks,
                                         block_tokens=ec.block_tokens, max_blocks_per_seq=ec.blocks_per_seq,
-                                        index_key_dtype=ec.index_key_dtype, spec_tokens=self.spec_slots)
+                                        index_key_dtype=ec.index_key_dtype, kv_cache_dtype=ec.kv_cache_dtype,
+                                        spec_tokens=self.spec_slots)
         self.hasher = None
         if cfg.engram_enabled:
             tok = os.path.join(model_dir, "tokenizer.json")

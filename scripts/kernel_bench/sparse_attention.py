@@ -11,6 +11,10 @@ Rows per shape:
   kernel           ``sparse_attention`` (exact=True, the production mode), default tiling
   kernel_final     exact=False (a max pre-pass + the same kernel: reads the rows twice)
   kernel_bh{16,32,64}  exact=True with block_h forced (full run only: tuning data)
+  kernel_packed    exact=True on packed pools (``kv_cache_dtype="packed"``: window rows as fp8
+                   codes + scale bytes, compressed rows as fp4 codes + e4m3 scales, decoded in the
+                   kernel); its ``bytes`` count the packed rows; ``err`` is against the bf16 kernel
+                   on the same (decoded) values, which it must equal bit for bit
   ref_final / ref_exact  ``sparse_attention_ref`` under jit (gather [T, M, A] then einsums)
 ``bytes`` = the selected rows T*M*A*2 (repeats counted) + q + o (T*H*A*2 each) + indices T*M*4;
 ``GB/s`` = bytes / time; ``%copy`` = that over the measured copy rate (read + write of a 1 GiB
@@ -102,6 +106,7 @@ def bench(quick: bool = False) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
+    from deepinfer_jax.base import kv_codes
     from deepinfer_jax.kernels_pallas import sparse_attention as S
     from deepinfer_jax.kernels_pallas.sparse_attention_ref import sparse_attention_ref
 
@@ -121,15 +126,19 @@ def bench(quick: bool = False) -> list[dict]:
     for R, tpr, prefill in shapes:
         T, M = R * tpr, W + K
         sets = [_make_inputs(jax.random.key(100 * T + i), R, tpr, H, A, W, K, N, prefill) for i in range(3)]
-        jax.block_until_ready(sets)
+        packed = [(q, (kv_codes.pack_window(w), kv_codes.pack_comp(c)), i, sk) for q, (w, c), i, sk in sets]
+        # the bf16 kernel's inputs hold the packed values, so the two kernels must agree exactly
+        sets = [(q, tuple(kv_codes.unpack(p) for p in pp), i, sk) for q, pp, i, sk in packed]
+        jax.block_until_ready((sets, packed))
         nbytes = T * M * A * 2 + 2 * T * H * A * 2 + T * M * 4
+        packed_bytes = T * (W * (A + A // 32) + K * (A // 2 + A // 16)) + 2 * T * H * A * 2 + T * M * 4
         flops = 4.0 * T * H * M * A
         floor = max(nbytes / copy_bps, flops / mm_flops)
 
         def kern(exact, **kw):
             return jax.jit(lambda q, p, i, s: S.sparse_attention(q, p, i, s, scale, exact, interpret=interp, **kw))
 
-        variants = {"kernel": kern(True), "kernel_final": kern(False)}
+        variants = {"kernel": kern(True), "kernel_packed": kern(True), "kernel_final": kern(False)}
         if not quick and on_gpu:
             for bh in (16, 32, 64):
                 variants[f"kernel_bh{bh}"] = kern(True, block_h=bh)
@@ -141,19 +150,28 @@ def bench(quick: bool = False) -> list[dict]:
         gen = S._gen_tuning()
         bh0 = S.pick_block_h(H, T, gen)
         iters = (20 if T <= 1024 else 5) if on_gpu else 1
+        plain_out = None
         for name, fn in variants.items():
-            row = dict(T=T, R=R, tpr=tpr, H=H, A=A, M=M, case=name, bytes=nbytes, flops=flops,
-                       floor_us=floor * 1e6)
+            is_packed = name == "kernel_packed"
+            args, nb = (packed, packed_bytes) if is_packed else (sets, nbytes)
+            fl = max(nb / copy_bps, flops / mm_flops)
+            row = dict(T=T, R=R, tpr=tpr, H=H, A=A, M=M, case=name, bytes=nb, flops=flops,
+                       floor_us=fl * 1e6)
             try:
                 if name.startswith("kernel"):
-                    out = np.asarray(fn(*sets[0]), np.float32)
+                    out = np.asarray(fn(*args[0]), np.float32)
                     ref = refs[name != "kernel_final"]
+                    if is_packed and plain_out is not None:
+                        ref = plain_out
+                        row["bit_identical"] = bool(np.array_equal(out, plain_out))
+                    if name == "kernel":
+                        plain_out = out
                     row["err"] = float(np.abs(out - ref).max() / np.abs(ref).max())
                     row["block_h"] = int(name[len("kernel_bh"):]) if name.startswith("kernel_bh") else bh0
                     row["launch"] = S.pick_launch(row["block_h"], A, gen)
-                t = _timeit(fn, sets, iters if name.startswith("kernel") else max(1, iters // 4))
-                row.update(us=t * 1e6, gbps=nbytes / t / 1e9, of_copy=nbytes / t / copy_bps,
-                           of_floor=floor / t)
+                t = _timeit(fn, args, iters if name.startswith("kernel") else max(1, iters // 4))
+                row.update(us=t * 1e6, gbps=nb / t / 1e9, of_copy=nb / t / copy_bps,
+                           of_floor=fl / t)
             except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)

@@ -6,6 +6,10 @@ per token, key and value), RoPE, fp8 QDQ. A compressed layer (ratio r > 0) also 
 ``index_topk`` entries of its KV source's compressed cache chosen by the most recent index layer.
 The output gets the inverse RoPE at the query position, then ``wo_a`` (block-diagonal over
 ``o_groups``) and ``wo_b``.
+
+With packed caches (``kv_cache_dtype="packed"``, ``base/kv_codes.py``) the window ring and the
+compressed entries are written as codes + scales and handed to the attention as ``PackedPool`` s;
+the values attended to are the same.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from flax import nnx
 
 from deepinfer_jax.kernels_pallas import ops
 from deepinfer_jax.base import batch_invariant as bi
-from deepinfer_jax.base import quant
+from deepinfer_jax.base import kv_codes, quant
 from deepinfer_jax.layers.attention.compressor import Compressor
 from deepinfer_jax.layers.attention.indexer import Indexer
 from deepinfer_jax.layers.attention.kv_index import DROP, StepContext
@@ -57,9 +61,12 @@ class Attention(nnx.Module):
         q = self.wq_b(qr).reshape(x_TD.shape[0], self.n_heads, self.head_dim)
         return apply_rope(q, positions, self.freqs), qr
 
+    def kv_latent(self, x_TD, positions):
+        """The KV latent before its fp8 rounding."""
+        return apply_rope(self.kv_norm(self.wkv(x_TD)), positions, self.freqs)
+
     def project_kv(self, x_TD, positions):
-        kv = apply_rope(self.kv_norm(self.wkv(x_TD)), positions, self.freqs)
-        return quant.act_quant_fp8(kv)
+        return quant.act_quant_fp8(self.kv_latent(x_TD, positions))
 
     def output(self, o_THA, positions):
         o = apply_rope(o_THA, positions, self.freqs, inverse=True)
@@ -81,17 +88,27 @@ class Attention(nnx.Module):
             if hasattr(self, "indexer"):
                 self.indexer.write_keys(ctx, latent, done, src, r, self.freqs)
             ckv = apply_rope(latent, ctx.pos - (r - 1), self.freqs)
-            ckv = quant.act_quant_fp4(ckv, 16, "e4m3")
-            cache = ctx.cache["comp_kv"][src]
-            flat = cache.reshape(-1, cache.shape[-1])
             dst = jnp.where(done & (ctx.pos >= ctx.cache_start_T), ctx.entry_index(ctx.pos // r, r), DROP)
-            ctx.cache["comp_kv"][src] = ctx.scatter(flat, dst, ckv).reshape(cache.shape)
+            if ctx.cache["comp_kv_scale"]:  # packed: fp4 codes two a byte + e4m3 scales per 16
+                codes, scales = kv_codes.pack_comp(ckv)
+                for field, v in (("comp_kv", codes), ("comp_kv_scale", scales)):
+                    cache = ctx.cache[field][src]
+                    flat = cache.reshape(-1, cache.shape[-1])
+                    ctx.cache[field][src] = ctx.scatter(flat, dst, v).reshape(cache.shape)
+            else:
+                ckv = quant.act_quant_fp4(ckv, 16, "e4m3")
+                cache = ctx.cache["comp_kv"][src]
+                flat = cache.reshape(-1, cache.shape[-1])
+                ctx.cache["comp_kv"][src] = ctx.scatter(flat, dst, ckv).reshape(cache.shape)
         if hasattr(self, "indexer"):
             ctx.topk_idx[src] = self.indexer(ctx, x_TD, qr_TQ, src, r, self.freqs, tag=str(self.layer))
         pos_TK = ctx.topk_idx[src]
-        cache = ctx.cache["comp_kv"][src]
         flat_idx = jnp.where(pos_TK >= 0, ctx.entry_index(jnp.maximum(pos_TK, 0), r), -1)
-        return cache.reshape(-1, cache.shape[-1]), flat_idx
+        arrays = [ctx.cache["comp_kv"][src]]
+        if ctx.cache["comp_kv_scale"]:
+            arrays.append(ctx.cache["comp_kv_scale"][src])
+        pool = [a.reshape(-1, a.shape[-1]) for a in arrays]
+        return (kv_codes.PackedPool(*pool) if len(pool) == 2 else pool[0]), flat_idx
 
     # ------------------------------------------------------------------ forward
     def __call__(self, ctx: StepContext, x_TD: jax.Array) -> jax.Array:
@@ -99,12 +116,21 @@ class Attention(nnx.Module):
         q, qr = self.project_q(x_TD, pos)
         if hasattr(self, "indexer"):
             ctx.tap(f"attn{self.layer}_q", q)  # the indexer's training target (its attention)
-        kv = ctx.fresh(self.project_kv(x_TD, pos))   # every token's KV of the step (CP: gathered)
         ring = ctx.cache["window"][self.layer]
-        S, W, A = ring.shape
-        pools = [jnp.concatenate([ring.reshape(S * W, A), kv], axis=0)]
+        S, W = ring.shape[:2]
         idxs = [ctx.window_index(W, S * W, decoder=self.is_decoder)]
-        ctx.cache["window"][self.layer] = ctx.ring_write(ring, kv)
+        if ctx.cache["window_scale"]:  # packed ring: fp8 codes + a scale byte per 32 channels
+            # every token's KV of the step (CP: gathered), as the codes of act_quant_fp8
+            fresh = kv_codes.PackedPool(*(ctx.fresh(a) for a in kv_codes.pack_window(self.kv_latent(x_TD, pos))))
+            rings = (ring, ctx.cache["window_scale"][self.layer])
+            pools = [kv_codes.PackedPool(*(jnp.concatenate([r.reshape(S * W, -1), f], axis=0)
+                                           for r, f in zip(rings, fresh)))]
+            ctx.cache["window"][self.layer] = ctx.ring_write(rings[0], fresh.codes)
+            ctx.cache["window_scale"][self.layer] = ctx.ring_write(rings[1], fresh.scales)
+        else:
+            kv = ctx.fresh(self.project_kv(x_TD, pos))   # every token's KV of the step (CP: gathered)
+            pools = [jnp.concatenate([ring.reshape(S * W, -1), kv], axis=0)]
+            ctx.cache["window"][self.layer] = ctx.ring_write(ring, kv)
         if self.ratio:
             pool, idx = self._compressed(ctx, x_TD, qr)
             pools.append(pool)
