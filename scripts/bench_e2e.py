@@ -61,14 +61,26 @@ def measure_rates(on_gpu: bool) -> dict:
 
 
 def fill_random(cache, seed: int):
+    """Random cache contents: normal values (x 0.5) in float arrays (-inf state entries kept),
+    random bytes in packed codes, scale bytes near 2^0 in packed window scales."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
-    leaves, tree = jax.tree.flatten(cache)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [jnp.where(jnp.isfinite(x), (jax.random.normal(k, x.shape, jnp.float32) * 0.5).astype(x.dtype), x)
-           for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, out)
+    key = jax.random.key(seed)
+    out = {}
+    for f in dataclasses.fields(cache):
+        arrs = []
+        for x in getattr(cache, f.name):
+            key, k = jax.random.split(key)
+            if x.dtype == jnp.uint8:
+                lo, hi = (124, 131) if f.name == "window_scale" else (0, 256)
+                arrs.append(jax.random.randint(k, x.shape, lo, hi, jnp.int32).astype(jnp.uint8))
+            else:
+                arrs.append(jnp.where(jnp.isfinite(x), (jax.random.normal(k, x.shape, jnp.float32) * 0.5).astype(x.dtype), x))
+        out[f.name] = tuple(arrs)
+    return type(cache)(**out)
 
 
 def main(argv=None) -> int:
@@ -97,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="trace STEPS more steps per case with jax.profiler: device time per kernel family, "
                          "the busiest kernels, device idle (scripts/step_profile.py)")
+    ap.add_argument("--kv-cache-dtype", choices=("bf16", "packed"), default="bf16",
+                    help="window + compressed KV caches (packed: fp8 / fp4 codes, decoded in the attention kernel)")
+    ap.add_argument("--index-key-dtype", choices=("bf16", "fp8"), default="bf16", help="index-key cache")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     # XLA_FLAGS of the run go into the JSON (command-buffer experiments set them per process)
@@ -140,7 +155,8 @@ def main(argv=None) -> int:
     if not 1 <= args.decode_tokens <= args.context:
         raise SystemExit(f"--decode-tokens {args.decode_tokens}: expected 1 .. --context ({args.context})")
     per_seq = -(-max(args.context, args.prefill_tokens) // bt)
-    cc = CacheConfig(num_slots=R, num_blocks=R * per_seq, block_tokens=bt, max_blocks_per_seq=per_seq)
+    cc = CacheConfig(num_slots=R, num_blocks=R * per_seq, block_tokens=bt, max_blocks_per_seq=per_seq,
+                     kv_cache_dtype=args.kv_cache_dtype, index_key_dtype=args.index_key_dtype)
     rng = np.random.default_rng(0)
 
     k = args.decode_tokens
@@ -176,7 +192,7 @@ def main(argv=None) -> int:
           flush=True)
     params = params_of(cfg)
     shapes = {"decode": StepShape(rows=R, tokens=k, end=args.context, logit_rows=R * k,
-                                  index_key_bytes=2.0),
+                                  **StepShape.cache_bytes(args.kv_cache_dtype, args.index_key_dtype, cfg.index_head_dim)),
               "prefill": StepShape(rows=1, tokens=args.prefill_tokens, end=args.prefill_tokens, logit_rows=1,
                                    prefill=True)}
     floors = {c: step_floor(cfg, params, shapes[c]) for c in cases}

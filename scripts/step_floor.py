@@ -38,6 +38,16 @@ class StepShape:
     logit_rows: int
     prefill: bool = False
     index_key_bytes: float = 2.0   # bytes per index-key element (bf16; fp8 codes + scale ~1.03)
+    window_kv_bytes: float = 2.0   # bytes per window-KV element (bf16; packed fp8 + scale bytes 1 + 1/32)
+    comp_kv_bytes: float = 2.0     # bytes per compressed-KV element (bf16; packed fp4 + e4m3 scales 1/2 + 1/16)
+
+    @classmethod
+    def cache_bytes(cls, kv_cache_dtype: str = "bf16", index_key_dtype: str = "bf16", index_head_dim: int = 128) -> dict:
+        """The three per-element byte counts of a cache format (``StepShape(**...)`` keywords); fp8
+        index keys carry a 4-byte scale per key of ``index_head_dim`` codes."""
+        packed = kv_cache_dtype == "packed"
+        return dict(window_kv_bytes=1 + 1 / 32 if packed else 2.0, comp_kv_bytes=0.5 + 1 / 16 if packed else 2.0,
+                    index_key_bytes=1 + 4 / index_head_dim if index_key_dtype == "fp8" else 2.0)
 
     @property
     def total_tokens(self) -> int:
@@ -94,9 +104,9 @@ def step_floor(cfg, flat_params, s: StepShape) -> dict:
             sel = min(cfg.index_topk, (pos + 1) // r) if r else 0
             flops["attention"] += s.rows * 4.0 * H * A * (win + sel)
             if not s.prefill:
-                parts["compressed_kv"] += s.rows * sel * A * 2.0
+                parts["compressed_kv"] += s.rows * sel * A * s.comp_kv_bytes
         if not s.prefill:
-            parts["window_kv"] += s.rows * (min(cfg.sliding_window, first + 1) + s.tokens - 1) * A * 2.0
+            parts["window_kv"] += s.rows * (min(cfg.sliding_window, first + 1) + s.tokens - 1) * A * s.window_kv_bytes
         if r and layer in cfg.index_source_layer_ids:
             visible = s.end // r
             if r == 1 and layer != cfg.candidate_source_layer_id:

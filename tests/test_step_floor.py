@@ -58,3 +58,18 @@ def test_prefill_reads_no_cache_and_is_flop_heavy(floor, tiny):
     p = floor.step_floor(cfg, params, floor.StepShape(rows=1, tokens=512, end=512, logit_rows=1, prefill=True))
     assert p["parts"]["window_kv"] == p["parts"]["compressed_kv"] == p["parts"]["index_keys"] == 0
     assert p["flop_parts"]["attention"] > 0 and p["flop_parts"]["indexer"] > 0
+
+
+def test_packed_caches_count_their_bytes(floor, tiny):
+    """The cache parts follow the stored format: packed window entries A + A/32 bytes, packed
+    compressed entries A/2 + A/16, fp8 index keys J + 4 (bf16: 2 bytes an element)."""
+    cfg, params = tiny
+    shape = dict(rows=64, tokens=1, end=400, logit_rows=64)
+    plain = floor.step_floor(cfg, params, floor.StepShape(**shape))
+    packed = floor.step_floor(cfg, params, floor.StepShape(**shape, **floor.StepShape.cache_bytes("packed", "fp8", cfg.index_head_dim)))
+    A, J = cfg.head_dim, cfg.index_head_dim
+    ratios = {"window_kv": (A + A / 32) / (2 * A), "compressed_kv": (A / 2 + A / 16) / (2 * A),
+              "index_keys": (J + 4) / (2 * J)}
+    for part, r in ratios.items():
+        assert packed["parts"][part] == pytest.approx(r * plain["parts"][part]), part
+    assert packed["parts"]["weights"] == plain["parts"]["weights"]
