@@ -128,15 +128,22 @@ def _packed_inputs(case, seed, fmts):
 
 
 def _check_packed(case, fmts, seed, interpret):
-    """The kernel on packed pools == the kernel on the same values stored as bf16, bit for bit
-    (it decodes them exactly), and == the reference on the packed pools within bf16 rounding."""
+    """The kernel on packed pools == the reference on the packed pools within bf16 rounding, and
+    == the kernel on the same values stored as bf16: bit for bit in interpret mode (it decodes
+    them exactly); compiled, the two kernels may order the MMA sums differently (the decoded tile
+    reaches the tensor cores from registers, the bf16 one through shared memory), so there at
+    most one bf16 ulp on at most 0.1% of the outputs (measured on an H100: 2 of 98304)."""
     q, pools, idxs, sink, scale, exact = _packed_inputs(case, seed, fmts)
     plain = tuple(kv_codes.unpack(p) for p in pools)
     o = np.asarray(sa.sparse_attention(q, pools, idxs, sink, scale, exact, interpret=interpret))
     o_plain = np.asarray(sa.sparse_attention(q, plain, idxs, sink, scale, exact, interpret=interpret))
     ref = np.asarray(sparse_attention_ref(q, pools, idxs, sink, scale, exact), np.float64)
     msg = f"{_ids(case)} {fmts} seed={seed}"
-    np.testing.assert_array_equal(o.view(np.uint16), o_plain.view(np.uint16), err_msg=msg)
+    if interpret:
+        np.testing.assert_array_equal(o.view(np.uint16), o_plain.view(np.uint16), err_msg=msg)
+    else:
+        ulps = np.abs(o.view(np.uint16).astype(np.int32) - o_plain.view(np.uint16).astype(np.int32))
+        assert ulps.max() <= 1 and (ulps > 0).mean() <= 1e-3, f"{msg}: {int(ulps.max())} ulp, {(ulps > 0).mean():.2e}"
     _check_bf16(np.asarray(o, np.float64), ref, msg)
 
 

@@ -150,11 +150,20 @@ def _gather(pool_ref, idx, ok, A: int, other):
     return plgpu.load(pool_ref.at[safe[:, None], cols[None, :]], mask=ok[:, None], other=other)
 
 
-def _gather_bytes(ref, idx, ok, cols_A):
-    """``[BLOCK, A]`` int32 bytes ``ref[idx, cols_A]`` (uint8 ref; 0 where not ``ok``)."""
+def _gather_bytes(ref, idx, ok, width: int):
+    """``[BLOCK, width]`` int32 bytes of rows ``ref[idx]`` (uint8 ref; 0 where not ``ok``):
+    contiguous row loads, vectorised as the bf16 gather's."""
     safe = jnp.minimum(jnp.where(ok, idx, 0), ref.shape[0] - 1)
-    b = plgpu.load(ref.at[safe[:, None], cols_A[None, :]], mask=ok[:, None], other=0)
+    cols = jnp.arange(width, dtype=jnp.int32)
+    b = plgpu.load(ref.at[safe[:, None], cols[None, :]], mask=ok[:, None], other=0)
     return b.astype(jnp.int32) & 0xFF
+
+
+def _expand(s_BG, block: int):
+    """``[BLOCK, G]`` per-group values -> ``[BLOCK, G * block]`` (each repeated ``block`` times),
+    in registers: a per-column gather of the scale bytes cost one byte load per element."""
+    n, g = s_BG.shape
+    return jnp.broadcast_to(s_BG[:, :, None], (n, g, block)).reshape(n, g * block)
 
 
 def decode_e4m3(b):
@@ -174,17 +183,17 @@ def decode_e2m1(c):
 
 
 def _gather_packed(refs, fmt: str, idx, ok, A: int):
-    """``[BLOCK, A]`` bf16 decoded rows of a packed pool (0 where not ``ok``)."""
+    """``[BLOCK, A]`` bf16 decoded rows of a packed pool (0 where not ``ok``): the codes and the
+    scales are loaded as compact row tiles, nibbles interleaved and scales repeated in registers."""
     codes_ref, scales_ref = refs
-    cols = jnp.arange(A, dtype=jnp.int32)
     if fmt == "fp8":
-        v = decode_e4m3(_gather_bytes(codes_ref, idx, ok, cols))
-        e = _gather_bytes(scales_ref, idx, ok, cols // kv_codes.WINDOW_BLOCK)
-        s = jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+        v = decode_e4m3(_gather_bytes(codes_ref, idx, ok, A))
+        e = _gather_bytes(scales_ref, idx, ok, A // kv_codes.WINDOW_BLOCK)
+        s = _expand(jax.lax.bitcast_convert_type(e << 23, jnp.float32), kv_codes.WINDOW_BLOCK)
     else:
-        b = _gather_bytes(codes_ref, idx, ok, cols // 2)
-        v = decode_e2m1(jnp.where(cols[None, :] % 2 == 0, b & 15, b >> 4))
-        s = decode_e4m3(_gather_bytes(scales_ref, idx, ok, cols // kv_codes.COMP_BLOCK))
+        b = _gather_bytes(codes_ref, idx, ok, A // 2)  # even channel in the low nibble
+        v = jnp.stack([decode_e2m1(b & 15), decode_e2m1(b >> 4)], axis=-1).reshape(b.shape[0], A)
+        s = _expand(decode_e4m3(_gather_bytes(scales_ref, idx, ok, A // kv_codes.COMP_BLOCK)), kv_codes.COMP_BLOCK)
     return (v * s).astype(jnp.bfloat16)
 
 
