@@ -17,8 +17,14 @@ def standalone_main(doc: str, bench, print_table, argv=None) -> int:
     rows = bench(a.quick)
     print_table(rows)
     if a.json:
+        import datetime
+
+        import jax
+
+        meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({**meta, "rows": rows}, f, indent=1)
     return 0
 
 
