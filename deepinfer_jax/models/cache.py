@@ -7,7 +7,9 @@
   ue8m0 bytes, ``comp_kv[i]`` two e2m1 a byte ``[B, P, A/2]`` with ``comp_kv_scale[i]``
   ``[B, P, A/16]`` e4m3: 528 and 288 bytes an entry at A = 512 instead of 1024, the same values
   bit for bit (``window_entries`` / ``comp_entries`` decode them). With ``"bf16"`` (default) the
-  two scale fields are empty.
+  two scale fields are empty. Like fp8 index keys, a capacity option, not a speed one: the GPU
+  attention kernel decodes the codes in registers, off its pipelined row-copy path, and was
+  slower on them than on bf16 (``benchmarks/results/device_check_H100_2026-12-06/``).
 * ``comp_kv[i]`` / ``index_k[i]``: per KV-source layer ``kv_source_layer_ids[i]`` with ratio r,
   paged ``[B, P, A]`` / ``[B, P, J]`` with ``P = block_tokens // r`` compressed entries per block.
   ``CacheConfig.index_key_dtype``: ``"bf16"`` (default) stores the fp4-QDQ'd keys as bf16 and
