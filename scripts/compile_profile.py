@@ -8,7 +8,9 @@ persistent compilation cache, cold then warm: the warm start is what a second se
 costs. The table gives, per configuration, the step variants, the compiles that took more than
 a second (their count and the longest), each phase's total and the wall time of the start, and
 ("late") the compiles over a second that a short generate after the start still needed (a
-warm-up that missed a jit cache key shows here).
+warm-up that missed a jit cache key shows here); ``cache_events`` counts JAX's persistent-cache
+events (``cache_hits``, ``cache_misses``, ...) of the start. Each configuration's cache is the
+numbered subdirectory ``<cache-dir>/<i>``.
 
     python scripts/compile_profile.py --model v41-tiny --configs '{}' '{"kernels": "reference"}'
     python scripts/compile_profile.py --model v41-small-code --cache-dir /tmp/jaxcache \\
@@ -56,6 +58,14 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
             log.flush()
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+    cache_events: dict[str, int] = {}  # JAX's persistent-cache counters (hits, misses, requests)
+
+    def on_event(name: str, **_kw) -> None:
+        if "compilation_cache" in name:
+            key = name.rsplit("/", 1)[-1]
+            cache_events[key] = cache_events.get(key, 0) + 1
+
+    jax.monitoring.register_event_listener(on_event)
     from deepinfer_jax.entrypoints.llm import LLM
     from deepinfer_jax.runner.model_runner import compile_workers
 
@@ -75,6 +85,7 @@ def child(model: str, config: dict, cache_dir: str | None, out_path: str) -> Non
            "generate_compiles_over_1s": sum(s > 1.0 for s in late)}
     for phase in PHASES.values():
         rec[phase] = round(sum(s for k, s in events if k == phase), 2)
+    rec["cache_events"] = cache_events
     rec["device"] = jax.devices()[0].device_kind
     with open(out_path, "w") as f:
         json.dump(rec, f)
