@@ -44,7 +44,10 @@ with 100 / 82 KiB and no spills. XLA's own Triton may differ somewhat.
 Packed pools (``kv_codes.PackedPool``, ``kv_cache_dtype="packed"``): the row gather reads the
 codes and the scales of the 64 entries (fp8 window entries: A + A/32 bytes a row; fp4 compressed
 entries: A/2 + A/16) and decodes them in registers with integer ops and a bitcast to f32 (exact,
-as ``kv_codes.unpack``) into the same bf16 tile; the e4m3 codes and scales travel as uint8.
+as ``kv_codes.unpack``) into the same bf16 tile; the e4m3 codes and scales travel as uint8. The
+decode sits between the loads and the MMAs, off the pipelined row-copy path the bf16 tile takes:
+fewer bytes but more time per step than bf16 pools on Hopper (measured in
+``benchmarks/results/device_check_H100_2026-12-06/``), so packed caches are for capacity.
 
 Shapes: ``block_h`` and ``A`` must be powers of two >= 16 (Triton tensor sizes); H is padded up
 to a multiple of ``block_h`` (any H >= 1 works; H >= 16 per device avoids wasted MMA rows).
@@ -296,9 +299,10 @@ def supported(q_THA, pools, idxs) -> str | None:
         return "pools and idxs must pair up"
     for p, i in zip(pools, idxs):
         fmt = kv_codes.pool_format(p)
-        rows = p.codes.shape[0] if fmt != "bf16" else p.shape[0]
-        width = p.width if fmt != "bf16" else p.shape[1]
-        if (fmt == "bf16" and p.ndim != 2) or width != A or i.ndim != 2 or i.shape[0] != q_THA.shape[0]:
+        if fmt == "bf16" and p.ndim != 2:
+            return f"pool {p.shape} is not [rows, head_dim]"
+        rows, width = (p.shape[0], p.shape[1]) if fmt == "bf16" else (p.codes.shape[0], p.width)
+        if width != A or i.ndim != 2 or i.shape[0] != q_THA.shape[0]:
             return f"pool of {rows} x {width} ({fmt}) / idx {i.shape} do not match q {q_THA.shape}"
         if fmt == "fp8" and A % kv_codes.WINDOW_BLOCK:
             return f"head_dim {A} is not a multiple of the fp8 pool's scale block {kv_codes.WINDOW_BLOCK}"
