@@ -17,8 +17,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.models.cache import comp_entries
-
 
 def indexer_layers(cfg) -> tuple[int, ...]:
     return tuple(cfg.index_source_layer_ids)
@@ -35,7 +33,7 @@ def indexer_kl(cfg, taps: dict, cache, batch: int, seq_len: int) -> jax.Array:
         src = cfg.kv_source_layer_ids.index(cfg.kv_source_of(layer))
         q_BLHA = jax.lax.stop_gradient(taps[f"attn{layer}_q"]).astype(jnp.float32)
         q_BLHA = q_BLHA.reshape(B, L, *q_BLHA.shape[1:])
-        ckv = jax.lax.stop_gradient(comp_entries(cache, src)).astype(jnp.float32)
+        ckv = jax.lax.stop_gradient(cache.comp_kv[src]).astype(jnp.float32)
         ckv_BNA = ckv.reshape(B, -1, ckv.shape[-1])
         score_BLN = taps[f"index{layer}_scores"].astype(jnp.float32).reshape(B, L, -1)
         N = ckv_BNA.shape[1]
