@@ -82,8 +82,7 @@ def unpack_window(pool: PackedPool, dtype=jnp.bfloat16) -> jax.Array:
 # ----------------------------------------------------------------------------- compressed entries: fp4
 def pack_comp(x_NA: jax.Array) -> PackedPool:
     """fp4 compressed entries: the codes and scales of ``quant.act_quant_fp4(x_NA, 16, "e4m3")``."""
-    v, s = quant.act_quant_fp4_values(x_NA, COMP_BLOCK, "e4m3")
-    code = quant.e2m1_code(v)                       # [..., A] int32, 4 bits with the sign in bit 3
+    code, s = quant.act_quant_fp4_codes(x_NA, COMP_BLOCK, "e4m3")  # [..., A] 4 bits, sign in bit 3
     pairs = code.reshape(*code.shape[:-1], -1, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
     return PackedPool(packed, s.astype(jnp.float8_e4m3fn))

@@ -116,6 +116,12 @@ def act_quant_fp4(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> ja
 def act_quant_fp4_values(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
     """The two factors of ``act_quant_fp4``: e2m1 values (f32 ``[.., K]``, rounded) and the f32
     scales ``[.., K/block]``; their product is the QDQ."""
+    code, s = act_quant_fp4_codes(x, block, scale_fmt)
+    return jnp.asarray(FP4_TABLE)[code], s
+
+
+def act_quant_fp4_codes(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
+    """``act_quant_fp4_values`` as 4-bit e2m1 codes (int32, ``FP4_TABLE`` indices) and scales."""
     xg = _blocks(x, block)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     if scale_fmt == "e4m3":
@@ -126,8 +132,8 @@ def act_quant_fp4_values(x: jax.Array, block: int = 32, scale_fmt: str = "ue8m0"
         s = pow2_ceil_scale(amax, _FP4_MAX_INV)
     else:
         raise ValueError(f"scale_fmt={scale_fmt!r}: expected 'ue8m0' or 'e4m3'")
-    v = e2m1_round(jnp.clip(xg / s, -FP4_MAX, FP4_MAX))
-    return v.reshape(x.shape), s[..., 0]
+    code = e2m1_code(jnp.clip(xg / s, -FP4_MAX, FP4_MAX))
+    return code.reshape(x.shape), s[..., 0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
