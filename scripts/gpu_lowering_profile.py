@@ -17,7 +17,7 @@ launch-bound step's kernels come from, roughly).
 
 A kernel whose lowering repeats per layer shows here as launch sites growing with the depth
 (``kernels_pallas/moe_gmm.moe_experts`` is jitted for that reason). The patches touch JAX
-internals (``jax._src.pallas.triton.gpu_info``) that may move between releases; on a real GPU
+internals (JAX's GPU description, ``kernels_pallas/sm90_target.py``) that move between releases; on a real GPU
 use ``scripts/compile_profile.py``, which times the whole start.
 """
 
@@ -41,18 +41,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def as_if_on_an_h200():
     """Kernel choice and Pallas lowering as on an SM90 GPU (see the module docstring)."""
     import jax
-    from jax._src.pallas.triton import gpu_info
 
     from deepinfer_jax.kernels_pallas import moe_gmm
+    from deepinfer_jax.kernels_pallas.sm90_target import lowering_as_sm90
 
-    saved = (jax.default_backend, gpu_info.get_gpu_info, moe_gmm.is_hopper)
+    saved = (jax.default_backend, moe_gmm.is_hopper)
     jax.default_backend = lambda: "gpu"
-    gpu_info.get_gpu_info = lambda: gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     moe_gmm.is_hopper = lambda: True
     try:
-        yield
+        with lowering_as_sm90():
+            yield
     finally:
-        jax.default_backend, gpu_info.get_gpu_info, moe_gmm.is_hopper = saved
+        jax.default_backend, moe_gmm.is_hopper = saved
 
 
 def lower_variant(runner, T: int, R: int, Td: int | None):

@@ -73,10 +73,9 @@ def sm90_lowering(monkeypatch):
     ("cuda",)``): Pallas asks the local GPU for its compute capability; this answers for it."""
     import warnings
 
-    from jax._src.pallas.triton import gpu_info
+    from deepinfer_jax.kernels_pallas.sm90_target import jax_gpu_info, sm90_info
 
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax_gpu_info(), "get_gpu_info", sm90_info)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton backend is deprecated"
         yield

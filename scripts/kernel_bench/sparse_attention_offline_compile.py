@@ -62,10 +62,11 @@ def dump(T, H, A, widths, exact, kw, outdir) -> list[str]:
     """The Triton modules (one, or two for exact=False) as text files in ``outdir``."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as reg
 
-    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    from deepinfer_jax.kernels_pallas.sm90_target import jax_gpu_info, sm90_info
+
+    jax_gpu_info().get_gpu_info = sm90_info
     mods = []
     orig = reg.lowering.lower_jaxpr_to_triton_module
 
