@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DSpark throughput simulator: no speculation vs fixed verification lengths vs varlen.
 
-    python scripts/dspark_sim.py benchmarks/results/v41_small_code_H200/dspark_acceptance.json
+    python scripts/dspark_sim.py benchmarks/results/v41_small_code_H200/dspark_acceptance.json.gz
     python scripts/dspark_sim.py TRACE --sps CURVE.json          # (tokens, step seconds) points
     python scripts/dspark_sim.py TRACE --sps-linear 11.19 0.02008  # fixed ms + per-token ms
 
@@ -35,6 +35,7 @@ Writes ``--out-dir``/dspark_sim_<trace>_<curve>.json and .png (matplotlib, impor
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -62,7 +63,7 @@ DEEPSEEK_NOTE = ("DeepSeek's reported comparison points (their model and hardwar
 
 def load_trace(path: str, summary_pred: str = "pred") -> list[dict]:
     """One entry per temperature: ``temperature``, ``pred_cum`` [N, K], ``accepted`` [N], ``mode``."""
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         d = json.load(f)
     results = d["results"] if isinstance(d, dict) and "results" in d else d
     out = []

@@ -45,6 +45,18 @@ def test_single_event_by_hand(tmp_path):
     assert out["varlen-async"]["mean_verify_len"] == pytest.approx(want_len.mean())
 
 
+def test_gzipped_trace_reads_as_the_plain_one(tmp_path):
+    """Committed traces are gzipped (``dspark_acceptance.json.gz``): the same events either way."""
+    import gzip
+
+    plain = write_trace(tmp_path / "t.json", [[0.9, 0.8, 0.1], [0.3, 0.2, 0.1]], [[1, 1, 0], [0, 0, 0]])
+    with open(plain, "rb") as f, gzip.open(tmp_path / "t.json.gz", "wb") as g:
+        g.write(f.read())
+    a, b = sim.load_trace(plain)[0], sim.load_trace(str(tmp_path / "t.json.gz"))[0]
+    assert a["accepted"].tolist() == b["accepted"].tolist() == [2, 0]
+    np.testing.assert_array_equal(a["pred_cum"], b["pred_cum"])
+
+
 def test_informative_confidences_beat_every_fixed_length(tmp_path):
     """Half the events accept everything (predicted ~1), half nothing (predicted ~0): varlen
     verifies only the good rows and beats every fixed length; the async variant too."""

@@ -4,7 +4,7 @@
     python scripts/train/plot_training.py --run DIR [--heldout heldout_bpb.json] --out curves.png
 
 ``--run``: a ``train.py`` / ``train_dspark.py`` output directory (``metrics.jsonl``, ``meta.json``;
-``dspark_metrics.jsonl`` when the DSpark stages were trained there). Panels: the backbone's
+``dspark_metrics.jsonl`` when the DSpark stages were trained there; either log may be gzipped, ``.gz``). Panels: the backbone's
 next-token loss (nats per token) against tokens seen, with the held-out figure and the
 compressors' bits per byte converted to nats per token when ``--heldout`` is given
 (``scripts/train/evaluate_model.py``'s JSON); the indexers' KL and the experts' load imbalance;
@@ -15,15 +15,23 @@ earlier save) is drawn once, its last record.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
 import sys
 
 
+def run_file(run: str, name: str) -> str:
+    """``run/name``, or ``run/name.gz`` where only the compressed copy exists (committed results
+    keep their large logs gzipped)."""
+    path = os.path.join(run, name)
+    return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
+
+
 def read_jsonl(path: str) -> list[dict]:
     by_step: dict[int, dict] = {}
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
@@ -55,10 +63,10 @@ def main(argv=None) -> int:
     except ImportError:
         raise SystemExit("plot_training.py needs matplotlib: pip install matplotlib") from None
     meta = json.load(open(os.path.join(a.run, "meta.json")))
-    m = read_jsonl(os.path.join(a.run, "metrics.jsonl"))
+    m = read_jsonl(run_file(a.run, "metrics.jsonl"))
     tok_per_step = meta["batch"] * meta["seq_len"]
     x = [r["step"] * tok_per_step / 1e6 for r in m]
-    ds_path = os.path.join(a.run, "dspark_metrics.jsonl")
+    ds_path = run_file(a.run, "dspark_metrics.jsonl")
     d = read_jsonl(ds_path) if os.path.exists(ds_path) else []
     fig, axes = plt.subplots(1, 3 if d else 2, figsize=(16 if d else 11, 4.2))
     ax = axes[0]
