@@ -23,10 +23,10 @@ from deepinfer_jax.engine_config import EngineConfig
 from deepinfer_jax.kernels_pallas import ops
 
 
-# test_golden's fp8 LOGIT_MAX: the largest op-order difference it allows in any one logit. Two
-# logit vectors that each differ by at most that much give logprobs that differ by at most twice it
-# (the chosen logit and the log-sum-exp each move by up to LOGIT_MAX), and top-2 orders that can
-# swap only where the gap is at most twice it.
+# test_golden's fp8 LOGIT_MAX: the largest op-order difference it allows in any one logit. Where
+# two logit vectors differ by at most that much in every entry, their logprobs differ by at most
+# twice it (the chosen logit and the log-sum-exp each move by up to LOGIT_MAX), and their argmaxes
+# can differ only where the top-2 gap is at most twice it.
 LOGIT_MAX = 0.3
 NEAR_TIE = 2 * LOGIT_MAX
 
