@@ -27,7 +27,7 @@ from deepinfer_jax.kernels_pallas import ops
 # two logit vectors differ by at most that much in every entry, their logprobs differ by at most
 # twice it (the chosen logit and the log-sum-exp each move by up to LOGIT_MAX), and their argmaxes
 # can differ only where the top-2 gap is at most twice it.
-LOGIT_MAX = 0.3
+LOGIT_MAX = golden_checks.LOGIT_MAX["tiny_fp8"]
 NEAR_TIE = 2 * LOGIT_MAX
 
 
