@@ -2,11 +2,18 @@
 """DSpark speculative decoding throughput: no speculation vs fixed-length vs varlen verification.
 
 For each concurrency C (requests running at once, ``max_num_seqs``) and each mode, builds an
-engine, runs an untimed warm-up (a few prompts, then one whole wave), then generates ``C`` prompts
-``--repeats`` times (a wave: every request runs the whole time; the row is the median wave, each
-wave's tokens/s kept in the JSON) and records generated tokens per second, steps, the mean accepted length (tokens per
-verification row) and the step time. Prints a table with each mode's ratio to no speculation
-and varlen's ratio to the fixed length, measured in the same run; writes JSON.
+engine, runs an untimed warm-up (a few prompts, then one whole wave), then runs a wave of
+``--requests-per-slot`` x C prompts ``--repeats`` times (the row is the median wave, each wave's
+figures kept in the JSON) and records generated tokens per second, steps, the mean accepted length
+(tokens per verification row) and the step time. Prints a table with each mode's ratio to no
+speculation and varlen's ratio to the fixed length, measured in the same run; writes JSON.
+
+The headline tokens/s is the full-batch window's (``full_batch_generated_tokens_per_s``: from the
+first to the last step that ran C rows, the serving steady state while requests wait in the queue);
+``wave tok/s`` is the whole wave's. They differ most with speculation: requests then run at their
+own pace (their acceptance differs), so a wave ends with a tail of the slowest few requests in
+steps of a few rows, where a wave without speculation ends all together. With one request per slot
+(``--requests-per-slot 1``) that tail is most of the wave and hides the speed-up.
 
     python scripts/bench_spec.py                                  # shipped model, this machine
     python scripts/bench_spec.py --concurrency 16 60 96 256 --input-len 256 --output-len 128 \\
@@ -35,9 +42,11 @@ same jitted step; the fixed rows are Algorithm 1 switched off in its scheduler),
 compiles two engines, not three; ``init_and_compile_s`` is 0 for the mode that reuses it. That
 engine also compiles plain steps (``spec_plain_steps``, on with varlen), which only varlen runs:
 the table's ``plain steps`` column counts them. ``--engine '{"spec_plain_steps": false}'``
-measures varlen without them. Each row also keeps the measured decode-step times per bucket and
-step kind (``decode_step_ms``) and varlen's step-time curves, start-up profile and learned
-(``step_time_model_ms``): where varlen plans shorter rows than pay, they show whether its cost
+measures varlen without them. ``--trace-steps N`` adds each mode's kernel breakdown over N traced
+decode steps of C requests (``decode_trace``: kernels per step, busy and idle device time, time
+per kernel family, the busiest kernels). Each row also keeps the measured decode-step times per
+bucket and step kind (``decode_step_ms``) and varlen's step-time curves, start-up profile and
+learned (``step_time_model_ms``): where varlen plans shorter rows than pay, they show whether its cost
 model or its acceptance estimates are off.
 """
 
@@ -52,6 +61,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_offline, step_profile
 
 MODES = ("none", "fixed", "varlen")
 
@@ -168,8 +178,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="run each timed generate under cProfile and keep its N hottest functions "
                          "(own time per step) in the JSON row (host time is inflated by the profiler)")
+    ap.add_argument("--requests-per-slot", type=int, default=4, metavar="R",
+                    help="a wave is R x C prompts with C running at once (default 4)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed waves per mode after the warm-up; the row is the median wave (default 3)")
+    ap.add_argument("--trace-steps", type=int, default=0, metavar="N",
+                    help="after each mode's waves, trace N decode steps of C requests with jax.profiler and "
+                         "keep the kernel breakdown (scripts/step_profile.py) in the row as decode_trace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -179,6 +194,8 @@ def main(argv=None) -> int:
             ap.error(f"--modes: {m!r} is not one of {MODES}")
     if any(c < 1 for c in args.concurrency):
         ap.error("--concurrency: values must be >= 1")
+    if args.requests_per_slot < 1:
+        ap.error(f"--requests-per-slot: {args.requests_per_slot} must be >= 1")
     if args.repeats < 1:
         ap.error(f"--repeats: {args.repeats} must be >= 1")
     if args.slice is None and (args.small or args.experts is not None):
@@ -227,16 +244,16 @@ def main(argv=None) -> int:
         say(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
               f"model {label}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
               f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
-        say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'tau':>5} {'steps':>6} {'step p50 ms':>12} "
-              f"{'drafts/row':>10} {'plain steps':>11} {'varlen/fixed':>13}")
+        say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'wave tok/s':>10} {'tau':>5} {'steps':>6} "
+              f"{'step p50 ms':>12} {'drafts/row':>10} {'plain steps':>11} {'varlen/fixed':>13}")
         for r in rows:
             none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
-            vs = r["generated_tokens_per_s"] / none["generated_tokens_per_s"] if none else float("nan")
-            vf = (r["generated_tokens_per_s"] / fixed["generated_tokens_per_s"]
-                  if fixed and r["mode"] == "varlen" else float("nan"))
+            key = "full_batch_generated_tokens_per_s"
+            vs = r[key] / none[key] if none and none[key] else float("nan")
+            vf = r[key] / fixed[key] if fixed and fixed[key] and r["mode"] == "varlen" else float("nan")
             per_row = r["drafts_verified"] / r["spec_rows"] if r["spec_rows"] else 0.0
             r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
-            say(f"{r['concurrency']:5d} {r['mode']:7} {r['generated_tokens_per_s']:10.1f} {vs:8.2f} "
+            say(f"{r['concurrency']:5d} {r['mode']:7} {r[key]:10.1f} {vs:8.2f} {r['generated_tokens_per_s']:10.1f} "
                   f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
                   f"{per_row:10.2f} {r.get('spec_plain_steps', 0):11d} {vf:13.3f}")
         out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
@@ -252,7 +269,7 @@ def main(argv=None) -> int:
             print(f"wrote {out}")
 
     for C in args.concurrency:
-        n_prompts = C
+        n_prompts = C * args.requests_per_slot
         if tok is not None:
             prompts = source_prompts(tok, root, n_prompts + 4, args.input_len, args.seed + C)
         else:
@@ -305,13 +322,22 @@ def main(argv=None) -> int:
                 if prof is not None:
                     s["cprofile_hottest"] = hottest(prof, args.cprofile, s["steps"])
                 waves.append((s, sum(len(o.outputs[0].token_ids) for o in outs)))
-            # the row is the median wave by tokens/s (every wave's figure is kept)
-            tps = [w[0]["generated_tokens_per_s"] for w in waves]
-            s, n_out = sorted(waves, key=lambda w: w[0]["generated_tokens_per_s"])[(len(waves) - 1) // 2]
-            rows.append(dict(concurrency=C, mode=mode, init_and_compile_s=init_s, output_tokens=n_out,
-                             waves_generated_tokens_per_s=tps, step_time_model_ms=step_time_model_ms(llm), **s))
+            # the row is the median wave by full-batch tokens/s (every wave's figures are kept)
+            key = "full_batch_generated_tokens_per_s"
+            tps = [w[0][key] for w in waves]
+            s, n_out = sorted(waves, key=lambda w: w[0][key])[(len(waves) - 1) // 2]
+            if args.trace_steps:
+                from bench_offline import traced_decode_idle
+
+                llm.stats.reset()
+                s = dict(s, decode_trace=traced_decode_idle(llm.engine, timed[:C], sp, args.trace_steps))
+            rows.append(dict(concurrency=C, mode=mode, requests_per_slot=args.requests_per_slot,
+                             init_and_compile_s=init_s, output_tokens=n_out, waves_full_batch_tokens_per_s=tps,
+                             waves_generated_tokens_per_s=[w[0]["generated_tokens_per_s"] for w in waves],
+                             step_time_model_ms=step_time_model_ms(llm), **s))
             spread = f" (waves {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
-            print(f"C={C:4d} {mode:7s} {s['generated_tokens_per_s']:9.1f} gen tok/s{spread}, {s['steps']} steps, "
+            print(f"C={C:4d} {mode:7s} {s[key]:9.1f} gen tok/s full batch{spread}, "
+                  f"{s['generated_tokens_per_s']:.1f} whole wave, {s['steps']} steps, "
                   f"tau {s['mean_accepted_length'] or 1.0:.2f}, {s['spec_plain_steps']} plain steps", flush=True)
             report(final=False)  # the JSON so far, in case a time limit stops the run
 

@@ -20,6 +20,7 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     # one token bucket (4 x C = (K+1) x C) and no plain steps: one compiled variant per engine
     assert bench.main(["--slice", "tiny", "--small", "--concurrency", "2", "--modes", "none,fixed",
                        "--input-len", "8", "--output-len", "6", "--repeats", "1", "--prefill-chunk", "1",
+                       "--requests-per-slot", "2", "--trace-steps", "2",
                        "--bucket-multiples", "4", "--engine", '{"spec_plain_steps": false}',
                        "--out", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -33,7 +34,13 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     rows = {r["mode"]: r for r in res["rows"]}
     assert set(rows) == {"none", "fixed"}
     for r in rows.values():
-        assert r["concurrency"] == 2 and r["output_tokens"] == 2 * 6 and r["generated_tokens_per_s"] > 0
+        # a wave: 2 requests per slot, 2 slots, 6 tokens each; the headline is the full-batch window
+        assert r["concurrency"] == 2 and r["requests_per_slot"] == 2 and r["output_tokens"] == 2 * 2 * 6
+        assert r["full_batch_rows"] == 2 and r["full_batch_generated_tokens_per_s"] > 0
+        # --trace-steps: the kernels of up to 2 traced decode steps of the 2 requests (fewer where
+        # they finish first; a CPU's XLA thunks here)
+        assert 1 <= r["decode_trace"]["steps"] <= 2 and r["decode_trace"]["kernels"] > 0
+        assert r["decode_trace"]["prefill_tokens"] == 0  # decode steps only
     assert rows["fixed"]["spec_rows"] > 0 and rows["none"]["spec_rows"] == 0
     assert "FORCED acceptance 0.75" in capsys.readouterr().out
 
@@ -44,6 +51,7 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     (["--experts", "4"], "--small and --experts shape a --slice"),
     (["--slice", "full", "--experts", "0"], "--experts: 0 must be >= 1"),
     (["--slice", "half"], "argument --slice: invalid choice: 'half'"),
+    (["--requests-per-slot", "0"], "--requests-per-slot: 0 must be >= 1"),
 ])
 def test_slice_flags_refused_by_name(argv, message, capsys):
     bench = load_script("bench_spec")

@@ -423,6 +423,27 @@ def test_stats_summary(llm, batched16):
     assert set(s) >= {"prefill_tokens", "decode_tokens", "step_time_p50_s", "queue_wait_mean_s",
                       "cache_hit_tokens", "preemptions", "generated_tokens_per_s"}
     assert "tok/s" in llm.stats.summary_line()
+    steps = llm.stats.steps
+    assert sum(st.generated_tokens for st in steps) == s["generated_tokens"]
+    assert all(a.t_done_s <= b.t_done_s for a, b in zip(steps, steps[1:]))  # in the order they completed
+    assert s["full_batch_rows"] == max(st.num_rows for st in steps) and s["full_batch_generated_tokens_per_s"] > 0
+
+
+def test_full_batch_window_excludes_ramp_and_tail():
+    from deepinfer_jax.engine.stats import StatsLogger, StepStats
+
+    log = StatsLogger()
+    # rows ramp up to 4, dip to 3 while a request is replaced, run the tail of the last one alone
+    for i, (rows, gen) in enumerate([(2, 0), (4, 4), (4, 8), (3, 3), (4, 4), (1, 5), (1, 5)]):
+        log.record(StepStats(step_id=i, num_tokens=rows, bucket_tokens=rows, num_prefill_tokens=0,
+                             num_decode_tokens=rows, num_rows=rows, step_time_s=1.0, host_time_s=0.0,
+                             cache_hit_tokens=0, preemptions=0, queue_wait_s=[], generated_tokens=gen,
+                             t_done_s=10.0 + 0.5 * i))
+    s = log.summary()
+    # from step 1's results to step 4's: the tokens of steps 2..4 in 1.5 s
+    assert (s["full_batch_rows"], s["full_batch_steps"]) == (4, 3)
+    assert s["full_batch_generated_tokens_per_s"] == pytest.approx((8 + 3 + 4) / 1.5)
+    assert StatsLogger().summary()["full_batch_generated_tokens_per_s"] == 0.0  # no steps: no window
 
 
 def test_cli_generate(model_dir, capsys, tmp_path):

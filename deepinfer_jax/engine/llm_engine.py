@@ -392,6 +392,7 @@ class LLMEngine:
         K = getattr(self.scheduler, "num_draft_tokens", 0)
         verified, accepted, proposed = 0, 0, 0
         spec_rows, acc_pos = 0, [0] * K
+        gen0 = self.stats.generated_tokens
         # Python scalars once per step, not a numpy index per row and token
         tok_R, lp_R = res.token_ids.tolist(), res.logprob.tolist()
         if spec:
@@ -474,7 +475,8 @@ class LLMEngine:
             spec_rows=spec_rows, drafts_proposed=proposed, drafts_verified=verified, drafts_accepted=accepted,
             drafts_accepted_per_position=acc_pos, spec_plain=sched.spec_plain, schedule_s=handle.schedule_time, inputs_s=handle.inputs_time,
             call_s=handle.call_time, process_s=time.perf_counter() - t_apply,
-            launch_s=getattr(handle, "launch_time", 0.0) if getattr(handle, "future", None) is not None else 0.0))
+            launch_s=getattr(handle, "launch_time", 0.0) if getattr(handle, "future", None) is not None else 0.0,
+            generated_tokens=self.stats.generated_tokens - gen0, t_done_s=handle.t_done))
         est = self.plain_estimator if sched.spec_plain else self.forward_estimator
         if est is not None:
             # the step's own time: from its dispatch, or from the previous step's results where

@@ -3,9 +3,11 @@
 Per step: scheduled tokens and the padded bucket, prefill/decode split, rows, step time (dispatch
 to results on the host), host time (scheduling + input building + dispatch), queue wait of the
 requests admitted, prefix-cache hit tokens (those not recomputed: the cached length minus the
-replayed tail), preemptions. ``summary()`` aggregates them with the number of generated tokens
-and the wall time, and lists the kernels that fell back to the jnp reference in the steps' traces
-(``kernel_fallbacks``: "op: reason" -> traced calls, from ``kernels_pallas/ops.py``).
+replayed tail), preemptions, tokens generated and when the outputs reached the host. ``summary()``
+aggregates them with the number of generated tokens and the wall time (and the generated tokens/s
+of the full-batch window: from the first to the last step that ran the most rows), and lists the
+kernels that fell back to the jnp reference in the steps' traces (``kernel_fallbacks``:
+"op: reason" -> traced calls, from ``kernels_pallas/ops.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class StepStats:
     call_s: float = 0.0
     process_s: float = 0.0
     launch_s: float = 0.0      # dispatch_thread: the jitted call on the launcher thread
+    generated_tokens: int = 0  # tokens this step added to the requests' outputs
+    t_done_s: float = 0.0      # when its outputs reached the host (time.perf_counter)
 
 
 class StatsLogger:
@@ -76,6 +80,13 @@ class StatsLogger:
         n_pos = max((len(s.drafts_accepted_per_position) for s in st), default=0)
         per_pos = [sum(s.drafts_accepted_per_position[j] for s in st if j < len(s.drafts_accepted_per_position))
                    for j in range(n_pos)]
+        # the full-batch window: from the first to the last step that ran the most rows (with
+        # requests waiting in the queue, the engine's steady state; a wave's ramp-up and its tail
+        # of the last few requests fall outside)
+        most = max((s.num_rows for s in st), default=0)
+        full = [i for i, s in enumerate(st) if s.num_rows == most] if st else []
+        full_s = st[full[-1]].t_done_s - st[full[0]].t_done_s if full else 0.0
+        full_tok = sum(s.generated_tokens for s in st[full[0] + 1:full[-1] + 1]) if full else 0
         return {
             "steps": len(st),
             "requests": self.finished_requests,
@@ -89,6 +100,9 @@ class StatsLogger:
             "preemptions": sum(s.preemptions for s in st),
             "wall_time_s": self.wall_time_s,
             "generated_tokens_per_s": self.generated_tokens / wall,
+            "full_batch_rows": st[full[0]].num_rows if full else 0,
+            "full_batch_steps": len(st[full[0] + 1:full[-1] + 1]) if full else 0,
+            "full_batch_generated_tokens_per_s": full_tok / full_s if full_s > 0 else 0.0,
             "total_tokens_per_s": tok / wall,
             "step_time_mean_s": statistics.fmean(times) if times else 0.0,
             "step_time_p50_s": pct(times, 0.5),
