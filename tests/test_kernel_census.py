@@ -1,0 +1,99 @@
+"""scripts/kernel_census.py: the kernels of a compiled program counted per source function
+(loop bodies once per trip), and a profiler trace's kernels matched back to them."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_script
+
+
+def _rows_sum(x):
+    return x / jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _cols_sum(x):
+    return x / jnp.sum(x, axis=0, keepdims=True)
+
+
+def _program(x):
+    y = jnp.exp(jnp.sin(x) @ x.T)
+
+    def body(_, y):
+        return _cols_sum(_rows_sum(y))
+
+    y = jax.lax.fori_loop(0, 7, body, y)  # a rolled loop of known trip count
+    return jnp.sort(y, axis=-1)
+
+
+def test_census_counts_loop_bodies_per_trip_and_names_functions():
+    kc = load_script("kernel_census")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)), jnp.float32)
+    text = jax.jit(_program).lower(x).compile().as_text()
+    res = kc.census(text)
+    fns = res["by_function"]
+    name = next(k for k in fns if k.endswith(":_rows_sum"))
+    assert name.startswith("test_kernel_census.py:")
+    # whatever XLA fuses, each trip launches the same kernels for a function in the loop body
+    assert fns[name] % 7 == 0 and fns[next(k for k in fns if k.endswith(":_cols_sum"))] % 7 == 0
+    assert res["by_op"].get("sort", 0) >= 1 and res["kernels"] == sum(res["by_op"].values())
+    assert "while" in res["by_op"] and res["kernels"] >= 14
+
+
+def test_trace_events_match_the_census():
+    kc = load_script("kernel_census")
+    import step_profile
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 32)), jnp.float32)
+    f = jax.jit(_program)
+    res = kc.census(f.lower(x).compile().as_text())
+    f(x).block_until_ready()
+    prof = step_profile.profile_steps(lambda: f(x), steps=2)
+    events = step_profile.kernel_events(prof["trace"])
+    joined = kc.join_trace(events, res["where"], steps=2)
+    assert joined["events"] > 0 and joined["matched_fraction"] > 0.9
+    rows = {r["function"]: r for r in joined["by_function"]}
+    rows_sum = next(k for k in rows if k.endswith(":_rows_sum"))
+    assert rows[rows_sum]["kernels_per_step"] >= 7 and rows[rows_sum]["ms_per_step"] > 0
+
+
+def test_caller_is_the_model_part_not_the_helper():
+    kc = load_script("kernel_census")
+    pkg = "/x/deepinfer_jax/"
+    frames = {1: (pkg + "models/deepseek_v41.py", "Model.__call__", 10, 0),
+              2: (pkg + "layers/norms.py", "rms_norm", 20, 1),
+              3: (pkg + "base/batch_invariant.py", "row_mean", 30, 2)}
+    assert kc.caller(frames, 3) == "layers/norms.py:rms_norm"
+    assert kc.caller(frames, 1) == "models/deepseek_v41.py:Model.__call__"
+    assert kc.caller({5: ("/usr/lib/x.py", "f", 1, 0)}, 5) == "x.py:f"  # no model part: the innermost
+    assert kc.caller(frames, 99) == "(no metadata)"
+
+
+def test_engine_step_census_and_trace(tmp_path, capsys):
+    kc = load_script("kernel_census")
+    out = tmp_path / "census.json"
+    assert kc.main(["--concurrency", "2", "--input-len", "8", "--output-len", "4", "--trace-steps", "1",
+                    "--top", "10", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["variant"][:2] == [2, 2] and res["census"]["kernels"] > 100
+    assert any(k.startswith("layers/") for k in res["census"]["by_caller"])
+    tr = res["trace"]
+    assert tr["steps"] == 1 and tr["matched_fraction"] > 0.9 and tr["variants"] == [str(tuple(res["variant"]))]
+    assert "kernels from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency: 0 must be >= 1"),
+    (["--trace-steps", "-1"], "--trace-steps: -1 must be >= 0"),
+    (["--engine", "[1]"], "--engine: '[1]' is not a JSON object"),
+])
+def test_bad_flags_refused_by_name(argv, message, capsys):
+    kc = load_script("kernel_census")
+    with pytest.raises(SystemExit) as ei:
+        kc.main(argv)
+    assert ei.value.code == 2 and message in capsys.readouterr().err
