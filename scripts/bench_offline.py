@@ -53,36 +53,12 @@ def traced_decode_idle(engine, prompts, sp, steps: int) -> dict:
     nothing waits, trace the next ``steps`` steps with ``jax.profiler`` and return
     ``step_profile.breakdown`` of their kernels (plus the rows of the first and last traced
     step); the rest of the run finishes untraced."""
-    import glob
-    import tempfile
-
-    import jax
-
     import step_profile
 
-    engine.add_requests([(f"trace{i}", p, sp) for i, p in enumerate(prompts)])
-    sched = engine.scheduler
-    while engine.has_unfinished_requests():
-        engine.step()
-        last = engine.stats.steps[-1] if engine.stats.steps else None
-        if last is not None and last.num_prefill_tokens == 0 and not sched.waiting:
-            break
-    logdir = tempfile.mkdtemp(prefix="bench_offline_trace_")
-    first = len(engine.stats.steps)
-    with jax.profiler.trace(logdir):
-        for _ in range(steps):
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
-        engine.runner.drain()
-        jax.effects_barrier()
-    traced = engine.stats.steps[first:]
-    while engine.has_unfinished_requests():
-        engine.step()
-    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not paths or not traced:
+    events, traced = step_profile.trace_engine_decode(engine, prompts, sp, steps, prefix="bench_offline_trace")
+    if not events:
         return dict(step_profile.breakdown([], steps=0), rows_first=None, rows_last=None)
-    out = step_profile.breakdown(step_profile.kernel_events(paths[-1]), steps=len(traced))
+    out = step_profile.breakdown(events, steps=len(traced))
     out.update(rows_first=traced[0].num_rows, rows_last=traced[-1].num_rows,
                prefill_tokens=sum(s.num_prefill_tokens for s in traced))
     return out

@@ -202,49 +202,31 @@ def join_trace(events, where: dict, steps: int) -> dict:
 
 def traced_events(llm, prompts, sp, steps: int) -> tuple[list, list, int]:
     """Run ``prompts``; once a processed step had no prompt token and nothing waits, trace the
-    next ``steps`` steps. Returns (kernel events, the traced steps' variants, steps traced)."""
-    import glob
-    import tempfile
-
-    import jax
-
+    next ``steps`` steps. Returns (kernel events, the variants dispatched while tracing, steps
+    traced)."""
     import step_profile
 
-    engine = llm.engine
-    runner = engine.runner
+    runner = llm.engine.runner
     seen = []
     orig = runner.buckets_of
+    tracing = [False]
 
     def record(sched):
         v = orig(sched)
-        seen.append(v)
+        if tracing[0]:
+            seen.append(v)
         return v
 
-    engine.add_requests([(f"census{i}", p, sp) for i, p in enumerate(prompts)])
-    while engine.has_unfinished_requests():
-        engine.step()
-        last = engine.stats.steps[-1] if engine.stats.steps else None
-        if last is not None and last.num_prefill_tokens == 0 and not engine.scheduler.waiting:
-            break
-    logdir = tempfile.mkdtemp(prefix="kernel_census_trace_")
-    first = len(engine.stats.steps)
+    def step_hook():
+        tracing[0] = True
+
     runner.buckets_of = record
     try:
-        with jax.profiler.trace(logdir):
-            for _ in range(steps):
-                if not engine.has_unfinished_requests():
-                    break
-                engine.step()
-            runner.drain()
-            jax.effects_barrier()
+        events, traced = step_profile.trace_engine_decode(llm.engine, prompts, sp, steps, prefix="kernel_census",
+                                                          on_trace=step_hook)
     finally:
         del runner.buckets_of  # the class's method again
-    traced = len(engine.stats.steps) - first
-    while engine.has_unfinished_requests():
-        engine.step()
-    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    events = step_profile.kernel_events(paths[-1]) if paths else []
-    return events, seen, traced
+    return events, seen, len(traced)
 
 
 def compiled_text(llm, variant, plain: bool = False) -> str:

@@ -15,6 +15,10 @@ Families (first rule that matches the kernel name or its HLO op, lower case):
   copies                   memcpy, memset, copy
   other                    anything else
 
+``trace_engine_decode(engine, prompts, sp, n)`` runs an engine until its steps are decode only
+and traces the next ``n`` (``bench_offline.py --trace-idle``, ``bench_spec.py --trace-steps``,
+``kernel_census.py --trace-steps``).
+
 ``idle_fraction``: the traced span (first kernel start to last kernel end) less the union of the
 kernel intervals, over the span: with the steps queued ahead, the device waiting on launches.
 """
@@ -114,3 +118,35 @@ def profile_steps(run, steps: int = 5, logdir: str | None = None) -> dict:
     out = breakdown(kernel_events(paths[-1]), steps)
     out["trace"] = paths[-1]
     return out
+
+
+def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
+                        on_trace=None) -> tuple[list, list]:
+    """Add ``prompts`` to ``engine`` and run it; once a processed step had no prompt token and
+    nothing waits, call ``on_trace()`` (if given) and trace the next ``steps`` steps with
+    ``jax.profiler``; the rest of the run finishes untraced. Returns ``(kernel_events of the
+    trace, the traced steps' StepStats)``."""
+    import jax
+
+    engine.add_requests([(f"{prefix}{i}", p, sp) for i, p in enumerate(prompts)])
+    while engine.has_unfinished_requests():
+        engine.step()
+        last = engine.stats.steps[-1] if engine.stats.steps else None
+        if last is not None and last.num_prefill_tokens == 0 and not engine.scheduler.waiting:
+            break
+    logdir = tempfile.mkdtemp(prefix=f"{prefix}_")
+    first = len(engine.stats.steps)
+    if on_trace is not None:
+        on_trace()
+    with jax.profiler.trace(logdir):
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        engine.runner.drain()
+        jax.effects_barrier()
+    traced = engine.stats.steps[first:]
+    while engine.has_unfinished_requests():
+        engine.step()
+    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return (kernel_events(paths[-1]) if paths and traced else []), traced
