@@ -6,7 +6,10 @@ engine, runs an untimed warm-up (a few prompts, then one whole wave), then runs 
 ``--requests-per-slot`` x C prompts ``--repeats`` times (the row is the median wave, each wave's
 figures kept in the JSON) and records generated tokens per second, steps, the mean accepted length
 (tokens per verification row) and the step time. Prints a table with each mode's ratio to no
-speculation and varlen's ratio to the fixed length, measured in the same run; writes JSON.
+speculation and varlen's ratio to the fastest fixed length, measured in the same run; writes
+JSON. Modes: ``none``, ``varlen``, ``fixed`` (K drafts a row) and ``fixed1`` .. ``fixedK`` (L
+drafts a row on the same engine: ``Scheduler.draft_limit``), e.g.
+``--modes none,fixed1,fixed2,fixed3,fixed4,fixed,varlen`` for the issue's "best fixed length".
 
 The headline tokens/s is the full-batch window's (``full_batch_generated_tokens_per_s``: from the
 first to the last step that ran C rows, the serving steady state while requests wait in the queue);
@@ -57,13 +60,30 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_offline, step_profile
 
-MODES = ("none", "fixed", "varlen")
+MODES = ("none", "fixed", "varlen")  # and fixed1 .. fixedK: the fixed length L on the same engine
+
+
+def mode_error(mode: str, K: int | None = None) -> str | None:
+    """Why ``mode`` is not a mode (None if it is): none, varlen, fixed (K drafts a row) or
+    fixedL with 1 <= L <= K."""
+    m = re.fullmatch(r"fixed([0-9]+)", mode)
+    if mode in MODES or (m and int(m.group(1)) >= 1 and (K is None or int(m.group(1)) <= K)):
+        return None
+    return f"{mode!r} is not one of none, fixed, fixed1..fixed{K or 'K'}, varlen"
+
+
+def fixed_length(mode: str, K: int) -> int | None:
+    """Drafts per row of a fixed-length mode (``fixed``: K), None for the others."""
+    if mode == "fixed":
+        return K
+    return int(mode[5:]) if mode.startswith("fixed") else None
 
 
 def source_prompts(tokenizer, root: str, n: int, length: int, seed: int) -> list[list[int]]:
@@ -190,8 +210,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     for m in modes:
-        if m not in MODES:
-            ap.error(f"--modes: {m!r} is not one of {MODES}")
+        if mode_error(m):
+            ap.error(f"--modes: {mode_error(m)}")
     if any(c < 1 for c in args.concurrency):
         ap.error("--concurrency: values must be >= 1")
     if args.requests_per_slot < 1:
@@ -227,6 +247,9 @@ def main(argv=None) -> int:
         cfg = ModelConfig.from_json(model_dir)
     label = slice_info["name"] if slice_info else model  # the model as the table and the JSON name it
     K = args.num_draft_tokens or cfg.dspark_block_size
+    for m in modes:
+        if mode_error(m, K):
+            ap.error(f"--modes: {mode_error(m, K)} (K = {K})")
     tok = None
     if slice_info is None and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
@@ -240,22 +263,28 @@ def main(argv=None) -> int:
         def find(C, m):
             return next((r for r in rows if r["concurrency"] == C and r["mode"] == m), None)
 
+        def best_fixed(C):  # the fastest fixed length measured at C
+            fx = [r for r in rows if r["concurrency"] == C and fixed_length(r["mode"], K)]
+            return max(fx, key=lambda r: r["full_batch_generated_tokens_per_s"], default=None)
+
         say = print if final else (lambda *a, **k: None)
         say(f"\ndevice: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
               f"model {label}, {args.input_len} prompt + {args.output_len} generated tokens, K={K}, "
               f"temperature {args.temperature}" + (f", FORCED acceptance {args.force_accept}" if args.force_accept else ""))
         say(f"{'C':>5} {'mode':7} {'gen tok/s':>10} {'vs none':>8} {'wave tok/s':>10} {'tau':>5} {'steps':>6} "
-              f"{'step p50 ms':>12} {'drafts/row':>10} {'plain steps':>11} {'varlen/fixed':>13}")
+              f"{'step p50 ms':>12} {'drafts/row':>10} {'plain steps':>11} {'varlen/best fixed':>17}")
         for r in rows:
-            none, fixed = find(r["concurrency"], "none"), find(r["concurrency"], "fixed")
+            none, fixed = find(r["concurrency"], "none"), best_fixed(r["concurrency"])
             key = "full_batch_generated_tokens_per_s"
             vs = r[key] / none[key] if none and none[key] else float("nan")
             vf = r[key] / fixed[key] if fixed and fixed[key] and r["mode"] == "varlen" else float("nan")
             per_row = r["drafts_verified"] / r["spec_rows"] if r["spec_rows"] else 0.0
-            r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row)
+            # varlen against the fastest fixed length measured at this concurrency
+            r.update(vs_none=vs, varlen_vs_fixed=vf, drafts_per_row=per_row,
+                     best_fixed_mode=fixed["mode"] if fixed and r["mode"] == "varlen" else None)
             say(f"{r['concurrency']:5d} {r['mode']:7} {r[key]:10.1f} {vs:8.2f} {r['generated_tokens_per_s']:10.1f} "
                   f"{r['mean_accepted_length'] or 1.0:5.2f} {r['steps']:6d} {1e3 * r['step_time_p50_s']:12.2f} "
-                  f"{per_row:10.2f} {r.get('spec_plain_steps', 0):11d} {vf:13.3f}")
+                  f"{per_row:10.2f} {r.get('spec_plain_steps', 0):11d} {vf:17.3f}")
         out = args.out or os.path.join("benchmarks", "results", f"spec_{jax.default_backend()}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
@@ -299,7 +328,9 @@ def main(argv=None) -> int:
             else:
                 llm = spec_llm  # fixed and varlen run the same jitted step: one compile serves both
             if mode != "none":
-                llm.engine.scheduler.spec_varlen = mode == "varlen"  # off: every row the full K drafts
+                sch = llm.engine.scheduler
+                sch.spec_varlen = mode == "varlen"  # off: every row the fixed length
+                sch.draft_limit = fixed_length(mode, K)  # fixedL: L drafts a row on the engine of K
             init_s = time.perf_counter() - t0
             # warm-up: a short wave, then one whole wave (every step size of the timed waves has run
             # once, and varlen's step-time curves have seen them)

@@ -18,7 +18,7 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the slice's directory goes here
     out = tmp_path / "spec.json"
     # one token bucket (4 x C = (K+1) x C) and no plain steps: one compiled variant per engine
-    assert bench.main(["--slice", "tiny", "--small", "--concurrency", "2", "--modes", "none,fixed",
+    assert bench.main(["--slice", "tiny", "--small", "--concurrency", "2", "--modes", "none,fixed1,fixed",
                        "--input-len", "8", "--output-len", "6", "--repeats", "1", "--prefill-chunk", "1",
                        "--requests-per-slot", "2", "--trace-steps", "2",
                        "--bucket-multiples", "4", "--engine", '{"spec_plain_steps": false}',
@@ -32,7 +32,9 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     assert os.path.dirname(sl["dir"]) == str(tmp_path)  # config and tokenizer only: no weights on disk
     assert sorted(os.listdir(sl["dir"])) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     rows = {r["mode"]: r for r in res["rows"]}
-    assert set(rows) == {"none", "fixed"}
+    assert set(rows) == {"none", "fixed1", "fixed"}
+    # fixed1: one draft a row on the engine compiled for K (its rows verify 1, the full K more)
+    assert rows["fixed1"]["drafts_per_row"] <= 1 < rows["fixed"]["drafts_per_row"]
     for r in rows.values():
         # a wave: 2 requests per slot, 2 slots, 6 tokens each; the headline is the full-batch window
         assert r["concurrency"] == 2 and r["requests_per_slot"] == 2 and r["output_tokens"] == 2 * 2 * 6
@@ -41,7 +43,7 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
         # they finish first; a CPU's XLA thunks here)
         assert 1 <= r["decode_trace"]["steps"] <= 2 and r["decode_trace"]["kernels"] > 0
         assert r["decode_trace"]["prefill_tokens"] == 0  # decode steps only
-    assert rows["fixed"]["spec_rows"] > 0 and rows["none"]["spec_rows"] == 0
+    assert rows["fixed"]["spec_rows"] > 0 and rows["fixed1"]["spec_rows"] > 0 and rows["none"]["spec_rows"] == 0
     assert "FORCED acceptance 0.75" in capsys.readouterr().out
 
 
@@ -52,6 +54,9 @@ def test_slice_smoke_run_writes_throughput_and_slice(tmp_path, monkeypatch, caps
     (["--slice", "full", "--experts", "0"], "--experts: 0 must be >= 1"),
     (["--slice", "half"], "argument --slice: invalid choice: 'half'"),
     (["--requests-per-slot", "0"], "--requests-per-slot: 0 must be >= 1"),
+    (["--modes", "none,fast"], "--modes: 'fast' is not one of none, fixed, fixed1..fixedK, varlen"),
+    (["--modes", "fixed0"], "--modes: 'fixed0' is not one of"),
+    (["--modes", "fixed9"], "--modes: 'fixed9' is not one of none, fixed, fixed1..fixed5, varlen (K = 5)"),
 ])
 def test_slice_flags_refused_by_name(argv, message, capsys):
     bench = load_script("bench_spec")

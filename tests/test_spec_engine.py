@@ -159,6 +159,24 @@ def test_varlen_plans_shorter_rows_when_steps_cost_more(prompts, plain, spec_fix
     assert np.any(np.abs(cal.temperature_K - 1) > 1e-3)
 
 
+def test_fixed_length_below_the_compiled_block(prompts, plain, spec_fixed):
+    """``Scheduler.draft_limit`` = 2 on the engine compiled for K = 5 (bench_spec's fixed2): rows
+    verify at most 2 drafts, no draft position past 2 is ever accepted, and the greedy output is
+    unchanged."""
+    ref = tokens(fresh(plain).generate(prompts[:6], GREEDY, use_tqdm=False))
+    sch = spec_fixed.engine.scheduler
+    sch.draft_limit = 2
+    try:
+        assert tokens(fresh(spec_fixed).generate(prompts[:6], GREEDY, use_tqdm=False)) == ref
+    finally:
+        sch.draft_limit = None
+    s = spec_fixed.stats.summary()
+    assert s["spec_rows"] > 0 and s["drafts_accepted"] > 0
+    assert max(st.drafts_verified / st.spec_rows for st in spec_fixed.stats.steps if st.spec_rows) <= 2
+    assert 1.5 < s["drafts_verified"] / s["spec_rows"] <= 2  # mostly full rows of 2
+    assert s["drafts_accepted_per_position"][:2] != [0, 0] and not any(s["drafts_accepted_per_position"][2:])
+
+
 def test_seeded_sampling_with_speculation(prompts, plain, spec_fixed):
     """Sampled rows: the same seeds give the same tokens run to run; with the ``coupled`` rule
     every emitted token is the one plain sampling draws at that (seed, position), so the output

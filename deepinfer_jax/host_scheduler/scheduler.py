@@ -89,6 +89,9 @@ class Scheduler:
         # ``spec_sps`` (step tokens -> steps per second), set by the engine from the runner
         self.num_draft_tokens = ec.num_draft_tokens if getattr(ec, "spec_decode", "off") == "dspark" else 0
         self.spec_varlen = bool(getattr(ec, "spec_varlen", False))
+        # the fixed length's drafts per row, below num_draft_tokens (None: all of them): a fixed
+        # length 1..K on the engine compiled for K (scripts/bench_spec.py's fixed1..fixedK)
+        self.draft_limit: int | None = None
         self.spec_sps = None
         # the token counts a step is padded to: Algorithm 1's stopping rule is tested at these
         # (plan_varlen's ``buckets``); None tests it at every count (a cost that rises per token)
@@ -240,8 +243,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ speculative decoding
     def draft_cap(self, req: Request) -> int:
-        """Drafts the request's next verification row may carry: at most ``num_draft_tokens``,
-        and no more than ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight
+        """Drafts the request's next verification row may carry: at most ``num_draft_tokens``
+        (and ``draft_limit``), and no more than ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight
         rows as fully accepted. A row after an in-flight one takes that step's drafts on the
         device (async); otherwise the host's drafts from the last processed step. Before
         ``min_tokens`` outputs a row is planned only with nothing in flight (``_num_new_tokens``),
@@ -256,7 +259,8 @@ class Scheduler:
         the previous step had drafted (varlen's estimate after a plain step)."""
         if req.num_computed != req.num_tokens_planned - 1:
             return 0
-        return max(0, min(self.num_draft_tokens, req.params.max_tokens - req.num_outputs_planned - 1,
+        K = self.num_draft_tokens if self.draft_limit is None else min(self.draft_limit, self.num_draft_tokens)
+        return max(0, min(K, req.params.max_tokens - req.num_outputs_planned - 1,
                           self.max_model_len - req.num_tokens_planned - 1))
 
     def _plan_drafts(self, budget: int) -> tuple[dict[str, int], bool]:
