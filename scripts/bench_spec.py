@@ -49,8 +49,8 @@ measures varlen without them. ``--trace-steps N`` adds each mode's kernel breakd
 decode steps of C requests (``decode_trace``: kernels per step, busy and idle device time, time
 per kernel family, the busiest kernels). Each row also keeps the measured decode-step times per
 bucket and step kind (``decode_step_ms``) and varlen's step-time curves, start-up profile and
-learned (``step_time_model_ms``): where varlen plans shorter rows than pay, they show whether its cost
-model or its acceptance estimates are off.
+learned (``step_time_model_ms``): where varlen plans shorter rows than pay, they show whether its
+cost model or its acceptance estimates are off.
 """
 
 from __future__ import annotations

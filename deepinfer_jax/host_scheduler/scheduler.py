@@ -244,8 +244,8 @@ class Scheduler:
     # ------------------------------------------------------------------ speculative decoding
     def draft_cap(self, req: Request) -> int:
         """Drafts the request's next verification row may carry: at most ``num_draft_tokens``
-        (and ``draft_limit``), and no more than ``max_tokens`` and ``max_model_len`` leave room for, counting in-flight
-        rows as fully accepted. A row after an in-flight one takes that step's drafts on the
+        (and ``draft_limit``), and no more than ``max_tokens`` and ``max_model_len`` leave room
+        for, counting in-flight rows as fully accepted. A row after an in-flight one takes that step's drafts on the
         device (async); otherwise the host's drafts from the last processed step. Before
         ``min_tokens`` outputs a row is planned only with nothing in flight (``_num_new_tokens``),
         so the count its per-slot bans start from is exact (``ScheduledRow.ban_slots``)."""
