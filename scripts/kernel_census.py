@@ -8,9 +8,10 @@ microseconds of launch and gap whatever its work, while the device idles most of
 the kernels. This script compiles the engine's step at one bucket and reads XLA's optimized
 HLO. Every instruction the executable launches is one kernel: a fusion, a custom call (a Pallas
 kernel, a library GEMM), a copy, a sort. Bodies of loops with a known trip count count once per
-trip. Parameters, tuples, bitcasts and constants launch nothing. Each kernel gets the Python
-source the HLO's metadata names (the innermost frame of its root op's stack). The script counts
-them per function and per file. With ``--trace-steps N`` it then runs C requests, traces N
+trip. A called computation counts its own kernels, except XLA:CPU's inlined small calls, which
+count as one. Parameters, tuples, bitcasts and constants launch nothing. Each kernel gets the
+Python source the HLO's metadata names (the innermost frame of its root op's stack). The script
+counts them per function, per model part and per file. With ``--trace-steps N`` it then runs C requests, traces N
 decode steps with ``jax.profiler``, and adds each function's device milliseconds and traced
 kernels per step.
 
@@ -120,7 +121,9 @@ def launched(text: str) -> list[dict]:
             f = _FRAME.search(line)
             if op.endswith("-done"):
                 continue  # the start of an async pair launched it
-            if op in ("while", "conditional", "call") and depth < 8:
+            # XLA:CPU runs a small callee inline, as one thunk
+            inline = op == "call" and 'xla_cpu_small_call="true"' in line
+            if op in ("while", "conditional", "call") and depth < 8 and not inline:
                 trip = _TRIP.search(line)
                 n = int(trip.group(1)) if (op == "while" and trip) else 1
                 # a loop's condition and body run each trip; a call's or a branch's callee once

@@ -22,6 +22,7 @@ def _cols_sum(x):
 
 
 def _program(x):
+    # (at 32 x 32 XLA:CPU of jax 0.12 runs the loop as one inlined call; at 64 x 64 as a loop)
     y = jnp.exp(jnp.sin(x) @ x.T)
 
     def body(_, y):
@@ -33,14 +34,14 @@ def _program(x):
 
 def test_census_counts_loop_bodies_per_trip_and_names_functions():
     kc = load_script("kernel_census")
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)), jnp.float32)
     text = jax.jit(_program).lower(x).compile().as_text()
     res = kc.census(text)
     fns = res["by_function"]
-    name = next(k for k in fns if k.endswith(":_rows_sum"))
-    assert name.startswith("test_kernel_census.py:")
-    # whatever XLA fuses, each trip launches the same kernels for a function in the loop body
-    assert fns[name] % 7 == 0 and fns[next(k for k in fns if k.endswith(":_cols_sum"))] % 7 == 0
+    body = {k: n for k, n in fns.items() if k.endswith((":_rows_sum", ":_cols_sum"))}
+    assert body and all(k.startswith("test_kernel_census.py:") for k in body)
+    # however XLA fuses the body (one fusion or several), each of the 7 trips launches its kernels
+    assert all(n % 7 == 0 for n in body.values())
     assert res["by_op"].get("sort", 0) >= 1 and res["kernels"] == sum(res["by_op"].values())
     assert "while" in res["by_op"] and res["kernels"] >= 14
 
@@ -49,7 +50,7 @@ def test_trace_events_match_the_census():
     kc = load_script("kernel_census")
     import step_profile
 
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 32)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)), jnp.float32)
     f = jax.jit(_program)
     res = kc.census(f.lower(x).compile().as_text())
     f(x).block_until_ready()
@@ -57,9 +58,8 @@ def test_trace_events_match_the_census():
     events = step_profile.kernel_events(prof["trace"])
     joined = kc.join_trace(events, res["where"], steps=2)
     assert joined["events"] > 0 and joined["matched_fraction"] > 0.9
-    rows = {r["function"]: r for r in joined["by_function"]}
-    rows_sum = next(k for k in rows if k.endswith(":_rows_sum"))
-    assert rows[rows_sum]["kernels_per_step"] >= 7 and rows[rows_sum]["ms_per_step"] > 0
+    body = [r for r in joined["by_function"] if r["function"].endswith((":_rows_sum", ":_cols_sum"))]
+    assert sum(r["kernels_per_step"] for r in body) >= 7 and all(r["ms_per_step"] > 0 for r in body)
 
 
 def test_caller_is_the_model_part_not_the_helper():
