@@ -11,9 +11,9 @@ kernel, a library GEMM), a copy, a sort. Bodies of loops with a known trip count
 trip. A called computation counts its own kernels, except XLA:CPU's inlined small calls, which
 count as one. Parameters, tuples, bitcasts and constants launch nothing. Each kernel gets the
 Python source the HLO's metadata names (the innermost frame of its root op's stack). The script
-counts them per function, per model part and per file. With ``--trace-steps N`` it then runs C requests, traces N
-decode steps with ``jax.profiler``, and adds each function's device milliseconds and traced
-kernels per step.
+counts them per function, per model part and per file. With ``--trace-steps N`` it then runs C
+requests, traces N decode steps with ``jax.profiler``, and adds each function's device
+milliseconds and traced kernels per step.
 
     python scripts/kernel_census.py                                  # shipped model, C = 16, no speculation
     python scripts/kernel_census.py --spec --concurrency 60 --trace-steps 8 \\
@@ -33,6 +33,7 @@ import json
 import os
 import re
 import sys
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # step_profile
@@ -116,11 +117,9 @@ def launched(text: str) -> list[dict]:
             if m is None:
                 continue
             name, op = m.groups()
-            if op in NO_LAUNCH:
+            if op in NO_LAUNCH or op.endswith("-done"):  # (an async pair's start launched it)
                 continue
             f = _FRAME.search(line)
-            if op.endswith("-done"):
-                continue  # the start of an async pair launched it
             # XLA:CPU runs a small callee inline, as one thunk
             inline = op == "call" and 'xla_cpu_small_call="true"' in line
             if op in ("while", "conditional", "call") and depth < 8 and not inline:
@@ -210,36 +209,36 @@ def traced_events(llm, prompts, sp, steps: int) -> tuple[list, list, int]:
     import step_profile
 
     runner = llm.engine.runner
-    seen = []
+    seen = None  # the variants dispatched, once tracing starts
     orig = runner.buckets_of
-    tracing = [False]
 
     def record(sched):
         v = orig(sched)
-        if tracing[0]:
+        if seen is not None:
             seen.append(v)
         return v
 
-    def step_hook():
-        tracing[0] = True
+    def start():
+        nonlocal seen
+        seen = []
 
     runner.buckets_of = record
     try:
         events, traced = step_profile.trace_engine_decode(llm.engine, prompts, sp, steps, prefix="kernel_census",
-                                                          on_trace=step_hook)
+                                                          on_trace=start)
     finally:
         del runner.buckets_of  # the class's method again
     return events, seen, len(traced)
 
 
-def compiled_text(llm, variant, plain: bool = False) -> str:
+def compiled_text(llm, variant) -> str:
     """The optimized HLO text of the engine's step at bucket ``variant`` (T, R, Td)."""
     import jax
 
     from deepinfer_jax.runner.model_runner import _empty_step
 
     runner = llm.engine.runner
-    sched = _empty_step(plain)
+    sched = _empty_step()
     bufs, layout = runner.step_inputs(sched, *variant)
     fn, args, kw = runner.step_call(bufs, layout, sched.wants_prompt_logprobs)
     with jax.set_mesh(runner.trace_mesh):
@@ -289,7 +288,8 @@ def main(argv=None) -> int:
     kw.update(extra)
     llm = LLM(model, **kw)
     runner = llm.engine.runner
-    variant = runner.buckets_of(type("Plan", (), dict(num_tokens=T, num_rows=C, num_decoder_tokens=T))())
+    # the bucket of a full decode step: C rows of K + 1 tokens
+    variant = runner.buckets_of(types.SimpleNamespace(num_tokens=T, num_rows=C, num_decoder_tokens=T))
     text = compiled_text(llm, variant)
     res = census(text, args.top)
     trace = None

@@ -426,7 +426,13 @@ def test_stats_summary(llm, batched16):
     steps = llm.stats.steps
     assert sum(st.generated_tokens for st in steps) == s["generated_tokens"]
     assert all(a.t_done_s <= b.t_done_s for a, b in zip(steps, steps[1:]))  # in the order they completed
-    assert s["full_batch_rows"] == max(st.num_rows for st in steps) and s["full_batch_generated_tokens_per_s"] > 0
+    # more requests than the 16 slots, short prompts: all slots run at once while the rest wait,
+    # and that is the full-batch window
+    llm.generate(prompts_of(24, seed=2, lo=3, hi=5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    s = llm.stats.summary()
+    assert s["full_batch_rows"] == BASE["max_num_seqs"] and s["full_batch_steps"] >= 1
+    assert s["full_batch_generated_tokens_per_s"] > 0
 
 
 def test_full_batch_window_excludes_ramp_and_tail():
