@@ -124,7 +124,8 @@ def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
                         on_trace=None) -> tuple[list, list]:
     """Add ``prompts`` to ``engine`` and run it; once a processed step had no prompt token and
     nothing waits, call ``on_trace()`` (if given) and trace the next ``steps`` steps with
-    ``jax.profiler``; the rest of the run finishes untraced. Returns ``(kernel_events of the
+    ``jax.profiler`` (fewer where the requests finish first); the rest of the run finishes
+    untraced. Returns ``(kernel_events of the
     trace, the traced steps' StepStats)``."""
     import jax
 
@@ -135,6 +136,10 @@ def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
         if last is not None and last.num_prefill_tokens == 0 and not engine.scheduler.waiting:
             break
     logdir = tempfile.mkdtemp(prefix=f"{prefix}_")
+    # no step on the device as the trace starts and none left after it: the traced steps are
+    # exactly those dispatched inside it (with async scheduling a step's results are applied a
+    # step later, so without this the count would include one step run before the trace)
+    engine.flush()
     first = len(engine.stats.steps)
     if on_trace is not None:
         on_trace()
@@ -143,7 +148,7 @@ def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
             if not engine.has_unfinished_requests():
                 break
             engine.step()
-        engine.runner.drain()
+        engine.flush()
         jax.effects_barrier()
     traced = engine.stats.steps[first:]
     while engine.has_unfinished_requests():

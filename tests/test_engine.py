@@ -74,6 +74,21 @@ def test_sync_equals_async(model_dir, prompts16, batched16):
     assert tokens(sync.generate(prompts16, GREEDY, use_tqdm=False)) == tokens(batched16)
 
 
+def test_flush_applies_the_step_in_flight(llm, prompts16, batched16):
+    """LLMEngine.flush: a flush after every step applies each step's results before the next is
+    planned (as sync scheduling would) and changes no token."""
+    eng = llm.engine
+    eng.add_requests([(f"flush{i}", p, GREEDY) for i, p in enumerate(prompts16)])
+    n0, steps, done = len(eng.stats.steps), 0, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step() + eng.flush():
+            done[o.request_id] = o
+        steps += 1
+        assert len(eng.stats.steps) - n0 == steps  # nothing left in flight
+    assert eng.flush() == []
+    assert [done[f"flush{i}"].outputs[0].token_ids for i in range(16)] == tokens(batched16)
+
+
 def test_dispatch_thread_equals_engine_thread(model_dir, prompts16, batched16):
     """EngineConfig.dispatch_thread: the jitted calls run on the launcher thread; same tokens,
     async and sync, through preemptions (whose recomputed steps queue behind in-flight calls)

@@ -294,6 +294,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def flush(self) -> list[RequestOutput]:
+        """Wait for the in-flight step (async scheduling) and apply its results now, so no step
+        is on the device and every output so far is on the host; the next ``step`` plans from
+        there. Returns the requests that finished in it (none without a step in flight)."""
+        with deferred_interrupts():
+            prev, self._inflight = self._inflight, None
+            return self._process(prev) if prev is not None else []
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One round; returns the requests (all ``n`` samples) that finished in it."""
