@@ -125,8 +125,7 @@ def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
     """Add ``prompts`` to ``engine`` and run it; once a processed step had no prompt token and
     nothing waits, call ``on_trace()`` (if given) and trace the next ``steps`` steps with
     ``jax.profiler`` (fewer where the requests finish first); the rest of the run finishes
-    untraced. Returns ``(kernel_events of the
-    trace, the traced steps' StepStats)``."""
+    untraced. Returns ``(kernel_events of the trace, the traced steps' StepStats)``."""
     import jax
 
     engine.add_requests([(f"{prefix}{i}", p, sp) for i, p in enumerate(prompts)])
@@ -148,8 +147,7 @@ def trace_engine_decode(engine, prompts, sp, steps: int, prefix: str = "trace",
             if not engine.has_unfinished_requests():
                 break
             engine.step()
-        engine.flush()
-        jax.effects_barrier()
+        engine.flush()  # (its fetch waits for the last step's executable)
     traced = engine.stats.steps[first:]
     while engine.has_unfinished_requests():
         engine.step()
