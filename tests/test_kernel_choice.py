@@ -73,8 +73,8 @@ def test_a_disabled_op_runs_its_reference(counting_cpu_kernel, monkeypatch):
     ops.set_disabled(["moe_experts"])
     ops.sinkhorn_iterate(comb, 3, 1e-6)
     assert counting_cpu_kernel == [(2, 4, 4)]
-    with pytest.raises(ValueError, match=r"unknown op\(s\) \['sinkhorn'\]"):
-        ops.set_disabled("sinkhorn")
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['sinkhorn_iter'\]"):
+        ops.set_disabled("sinkhorn_iter")
     monkeypatch.setattr(ops, "_DISABLED", "f32matmul")
     with pytest.raises(ValueError, match="DEEPINFER_KERNELS_OFF.*'f32matmul'"):
         ops.sinkhorn_iterate(comb, 3, 1e-6)

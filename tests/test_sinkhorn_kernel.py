@@ -42,6 +42,44 @@ def test_matches_reference(interpret, T, C, n):
     np.testing.assert_allclose(got.sum(-2), 1.0, rtol=1e-5)  # columns normalised last
 
 
+def _numerators(T, C, seed):
+    """Softmax numerators as ``sinkhorn_split`` hands them to ``ops.sinkhorn``: ``exp(z - max z)``
+    per row, in (0, 1] with a 1 in each row."""
+    z = np.random.default_rng(seed).standard_normal((T, C, C)).astype(np.float32) * 3
+    return jnp.asarray(np.exp(z - z.max(-1, keepdims=True)), jnp.float32)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("T,C,iters", [(1, 4, 20), (64, 4, 20), (300, 4, 20), (37, 2, 6), (16, 8, 20), (5, 4, 1)])
+def test_first_step_in_the_kernel_matches_the_oracle(interpret, T, C, iters):
+    """The whole Sinkhorn of ``sinkhorn_split`` in one launch (``first_step=True``) computes the
+    bits of the numpy oracle, and of the jnp first step followed by the steps' kernel."""
+    c = _numerators(T, C, [T, C, iters, 1])
+    got = np.asarray(sinkhorn.sinkhorn_iterate(c, iters - 1, 1e-6, first_step=True, interpret=interpret))
+    want = sinkhorn_ref.sinkhorn_np(c, iters, 1e-6)
+    np.testing.assert_array_equal(got, want)
+    two_launches = sinkhorn.sinkhorn_iterate(sinkhorn_ref.first_step_ref(c, 1e-6), iters - 1, 1e-6, interpret=interpret)
+    np.testing.assert_array_equal(got, np.asarray(two_launches))
+    np.testing.assert_allclose(got.sum(-2), 1.0, rtol=1e-4)  # columns normalised last (to 1 - eps / sum)
+    assert not np.allclose(got, sinkhorn_ref.first_step_np(c, 1e-6), rtol=1e-3) or iters == 1
+
+
+def test_split_reference_is_the_oracle():
+    """``sinkhorn_split`` through ``ops.sinkhorn``'s reference (jnp first step, then the steps),
+    compiled for the CPU, gives the oracle's bits."""
+    from deepinfer_jax.layers import mhc
+
+    rng = np.random.default_rng(11)
+    m = jnp.asarray(rng.standard_normal((7, 24)) * 2, jnp.float32)
+    scale = jnp.asarray([0.7, 1.3, 1.0], jnp.float32)
+    base = jnp.zeros((24,), jnp.float32)
+    with ops.use_backend("reference"):
+        _, _, comb = jax.jit(lambda m: mhc.sinkhorn_split(m, scale, base, 4, 20, 1e-6))(m)
+    z = m[:, 8:].reshape(7, 4, 4)
+    numerators = np.asarray(jnp.exp(z - jnp.max(z, -1, keepdims=True)))
+    np.testing.assert_array_equal(np.asarray(comb), sinkhorn_ref.sinkhorn_np(numerators, 20, 1e-6))
+
+
 def test_zero_steps_and_empty_batch():
     comb = _comb(4, 4, 0)
     np.testing.assert_array_equal(np.asarray(sinkhorn.sinkhorn_iterate(comb, 0, 1e-6, interpret=True)), comb)
@@ -67,6 +105,15 @@ def test_loaded_by_default_on_the_gpu():
     assert "deepinfer_jax.kernels_pallas.sinkhorn" in ops._KERNEL_MODULES["gpu"]
     importlib.import_module("deepinfer_jax.kernels_pallas.sinkhorn")
     assert ops._KERNELS[("sinkhorn_iterate", "gpu")] is sinkhorn.sinkhorn_iterate_op
+    assert ops._KERNELS[("sinkhorn", "gpu")] is sinkhorn.sinkhorn_op  # mhc.sinkhorn_split's op
+
+
+def test_fused_kernel_lowers_to_one_triton_call(sm90_lowering):
+    """The first step and the 19 steps lower to one Triton custom call for an H200."""
+    text = sinkhorn.sinkhorn_iterate.trace(jax.ShapeDtypeStruct((64, 4, 4), jnp.float32), 19, 1e-6,
+                                           first_step=True).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.while" not in text
 
 
 def test_split_divides_and_sums_as_the_reference_model():

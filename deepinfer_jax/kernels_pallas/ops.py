@@ -40,7 +40,7 @@ from deepinfer_jax.kernels_pallas import f32_matmul_ref, full_rows_ref, indexer_
 
 BACKENDS = ("auto", "reference", "ffi")
 OPS = ("sparse_attention", "indexer_scores", "indexer_scores_pool", "topk_positions", "candidate_blocks",
-       "sinkhorn_iterate", "f32_matmul", "moe_experts")
+       "sinkhorn", "sinkhorn_iterate", "f32_matmul", "moe_experts")
 _BACKEND = os.environ.get("DEEPINFER_KERNELS", "auto")
 _DISABLED: str | frozenset[str] = os.environ.get("DEEPINFER_KERNELS_OFF", "")  # checked on first use
 _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepinfer_kernels", default=None)
@@ -247,6 +247,20 @@ def topk_positions(score_TN, k: int):
 def sinkhorn_iterate(comb_TCC, n: int, eps: float):
     """``n`` mHC Sinkhorn steps (row then column normalisation) on fp32 ``[T, C, C]``."""
     return _pick("sinkhorn_iterate", sinkhorn_ref.sinkhorn_iterate_ref)(comb_TCC, n, eps)
+
+
+def sinkhorn(comb_TCC, iters: int, eps: float):
+    """The whole mHC Sinkhorn of ``mhc.sinkhorn_split`` on fp32 softmax numerators ``[T, C, C]``:
+    the first step (``sinkhorn_ref.first_step``), then ``iters - 1`` steps. A kernel runs both in
+    one launch; without one (or with ``sinkhorn_iterate`` switched off) the first step is jnp and
+    the steps are ``sinkhorn_iterate``'s."""
+    if "sinkhorn_iterate" in disabled_ops():
+        return _sinkhorn_steps(comb_TCC, iters, eps)
+    return _pick("sinkhorn", _sinkhorn_steps)(comb_TCC, iters, eps)
+
+
+def _sinkhorn_steps(comb_TCC, iters: int, eps: float):
+    return sinkhorn_iterate(sinkhorn_ref.first_step_ref(comb_TCC, eps), max(iters - 1, 0), eps)
 
 
 def f32_matmul(x_TK, w_KN):

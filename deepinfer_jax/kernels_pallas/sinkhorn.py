@@ -33,13 +33,14 @@ def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _kernel(c_ref, o_ref, *, n: int, C: int, eps: float, interpret: bool):
+def _kernel(c_ref, o_ref, *, n: int, C: int, eps: float, first_step: bool, interpret: bool):
     v = tuple(c_ref[k] for k in range(C * C))
     # interpreted, the body is XLA HLO: the reference's barriers and XLA's division; compiled,
     # Triton does not rewrite divisions, and divides with div.rn
-    body = (lambda _, x: sinkhorn_ref.step(x, C, eps)) if interpret else \
-        (lambda _, x: sinkhorn_ref.step(x, C, eps, barrier=False, div=_div_rn))
-    v = lax.fori_loop(0, n, body, v)
+    how = {} if interpret else {"barrier": False, "div": _div_rn}
+    if first_step:
+        v = sinkhorn_ref.first_step(v, C, eps, **how)
+    v = lax.fori_loop(0, n, lambda _, x: sinkhorn_ref.step(x, C, eps, **how), v)
     for k in range(C * C):
         o_ref[k] = v[k]
 
@@ -49,15 +50,18 @@ def supported(comb_TCC: jax.Array) -> bool:
     return comb_TCC.ndim == 3 and comb_TCC.shape[-2] == C and C >= 1 and C & (C - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("n", "eps", "interpret", "block_t"))
-def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, interpret: bool = False,
-                     block_t: int | None = None) -> jax.Array:
-    """Kernel twin of ``sinkhorn_ref.sinkhorn_iterate_ref`` on ``[T, C, C]`` (C a power of two)."""
+@functools.partial(jax.jit, static_argnames=("n", "eps", "first_step", "interpret", "block_t"))
+def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, first_step: bool = False,
+                     interpret: bool = False, block_t: int | None = None) -> jax.Array:
+    """Kernel twin of ``sinkhorn_ref.sinkhorn_iterate_ref`` on ``[T, C, C]`` (C a power of two).
+    ``first_step``: ``comb`` holds the softmax numerators of ``mhc.sinkhorn_split``, and the
+    kernel runs ``sinkhorn_ref.first_step`` before the ``n`` steps (in the step's XLA code that
+    step alone was ~20 tiny kernels a call)."""
     if not supported(comb_TCC):
         raise ValueError(f"sinkhorn kernel: comb {comb_TCC.shape} must be [T, C, C] with C a power of two")
     T, C, _ = comb_TCC.shape
     c = comb_TCC.astype(jnp.float32)
-    if T == 0 or n == 0:
+    if T == 0 or (n == 0 and not first_step):
         return c
     bt = block_t or min(128, 1 << max(0, (T - 1).bit_length()))
     Tp = -(-T // bt) * bt
@@ -66,7 +70,8 @@ def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, interpret: bool
         e = jnp.concatenate([e, jnp.ones((C * C, Tp - T), jnp.float32)], axis=1)
     spec = pl.BlockSpec((C * C, bt), lambda i: (0, i))
     out = pl.pallas_call(
-        functools.partial(_kernel, n=int(n), C=C, eps=float(eps), interpret=bool(interpret)),
+        functools.partial(_kernel, n=int(n), C=C, eps=float(eps), first_step=bool(first_step),
+                          interpret=bool(interpret)),
         grid=(Tp // bt,),
         in_specs=[spec],
         out_specs=spec,
@@ -87,10 +92,19 @@ def sinkhorn_iterate_op(comb_TCC: jax.Array, n: int, eps: float) -> jax.Array:
     return sinkhorn_iterate(comb_TCC, int(n), float(eps))
 
 
+def sinkhorn_op(comb_TCC: jax.Array, iters: int, eps: float) -> jax.Array:
+    """What ``ops.sinkhorn`` runs once registered: the first step and ``iters - 1`` steps in one
+    kernel, where ``sinkhorn_iterate_op`` would run the kernel."""
+    if jax.device_count() > 1 or not supported(comb_TCC):
+        return sinkhorn_ref.sinkhorn_iterate_ref(sinkhorn_ref.first_step_ref(comb_TCC, eps), max(iters - 1, 0), eps)
+    return sinkhorn_iterate(comb_TCC, max(int(iters) - 1, 0), float(eps), first_step=True)
+
+
 def register() -> None:
     from deepinfer_jax.kernels_pallas import ops
 
     ops.register_kernel("sinkhorn_iterate", "gpu", sinkhorn_iterate_op)
+    ops.register_kernel("sinkhorn", "gpu", sinkhorn_op)
 
 
 register()

@@ -77,13 +77,19 @@ def step(v: tuple, C: int, eps: float, barrier: bool = True, div=operator.truedi
     return fence(normalise_cols(fence(normalise_rows(v, C, eps, div=div)), C, eps, div=div))
 
 
+def first_step(v: tuple, C: int, eps: float, barrier: bool = True, div=operator.truediv) -> tuple:
+    """The first Sinkhorn step of ``mhc.sinkhorn_split`` on the entry vectors of the softmax
+    numerators: rows ``c / sum + eps``, then columns ``c / (sum + eps)`` (``barrier``, ``div``:
+    as in ``step``)."""
+    fence = exact if barrier else (lambda x: x)
+    return fence(normalise_cols(fence(normalise_rows(v, C, eps, eps_after=True, div=div)), C, eps, div=div))
+
+
 def first_step_ref(comb_TCC: jax.Array, eps: float) -> jax.Array:
-    """The first Sinkhorn step of ``mhc.sinkhorn_split`` on the softmax numerators ``[..., C, C]``:
-    rows ``c / sum + eps``, then columns ``c / (sum + eps)``, in the entry form of ``step``."""
+    """``first_step`` on ``[..., C, C]``."""
     C = comb_TCC.shape[-1]
     lead = comb_TCC.shape[:-2]
-    v = normalise_rows(entries(comb_TCC.reshape(-1, C, C)), C, eps, eps_after=True)
-    v = exact(normalise_cols(exact(v), C, eps))
+    v = first_step(entries(comb_TCC.reshape(-1, C, C)), C, eps)
     return from_entries(v, C).reshape(*lead, C, C)
 
 
@@ -113,3 +119,24 @@ def sinkhorn_iterate_np(comb_TCC, n: int, eps: float) -> np.ndarray:
             s = s + c[..., i:i + 1, :]
         c = c / (s + eps)
     return c
+
+
+def first_step_np(comb_TCC, eps: float) -> np.ndarray:
+    """The oracle of ``first_step``: rows ``c / sum + eps``, then columns ``c / (sum + eps)``."""
+    c = np.array(comb_TCC, np.float32)
+    eps = np.float32(eps)
+    C = c.shape[-1]
+    s = c[..., :, 0:1]
+    for j in range(1, C):
+        s = s + c[..., :, j:j + 1]
+    c = c / s + eps
+    s = c[..., 0:1, :]
+    for i in range(1, C):
+        s = s + c[..., i:i + 1, :]
+    return c / (s + eps)
+
+
+def sinkhorn_np(comb_TCC, iters: int, eps: float) -> np.ndarray:
+    """The oracle of the whole mHC Sinkhorn (``ops.sinkhorn``): the first step on the softmax
+    numerators, then ``iters - 1`` steps."""
+    return sinkhorn_iterate_np(first_step_np(comb_TCC, eps), max(iters - 1, 0), eps)

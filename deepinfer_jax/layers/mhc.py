@@ -20,8 +20,9 @@ from deepinfer_jax.layers.linear import HIGHEST
 
 def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: int, iters: int, eps: float,
                    iterate=None):
-    """Split mixes into ``pre [T, C]``, ``post [T, C]``, ``comb [T, C, C]`` (all fp32). ``iterate``:
-    the function running the remaining Sinkhorn steps (default ``ops.sinkhorn_iterate``)."""
+    """Split mixes into ``pre [T, C]``, ``post [T, C]``, ``comb [T, C, C]`` (all fp32). The Sinkhorn
+    is ``ops.sinkhorn`` (first step and ``iters - 1`` steps; one kernel on the GPU); ``iterate``,
+    when given, runs the steps after a jnp first step instead (tests and probes)."""
     m = m_TZ.astype(jnp.float32)
     s = scale_3.astype(jnp.float32)
     b = base_Z.astype(jnp.float32)
@@ -29,10 +30,9 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = sinkhorn_ref.first_step_ref(comb, eps)  # as the iterations: the sums' order, true division
-
-    comb = (iterate or ops.sinkhorn_iterate)(comb, iters - 1, eps)  # kernels_pallas/sinkhorn_ref.py
-    return pre, post, comb
+    if iterate is None:  # the sums' order and true divisions of kernels_pallas/sinkhorn_ref.py
+        return pre, post, ops.sinkhorn(comb, iters, eps)
+    return pre, post, iterate(sinkhorn_ref.first_step_ref(comb, eps), iters - 1, eps)
 
 
 def _sum_in_order(terms):
