@@ -53,13 +53,16 @@ def _numerators(T, C, seed):
 @pytest.mark.parametrize("T,C,iters", [(1, 4, 20), (64, 4, 20), (300, 4, 20), (37, 2, 6), (16, 8, 20), (5, 4, 1)])
 def test_first_step_in_the_kernel_matches_the_oracle(interpret, T, C, iters):
     """The whole Sinkhorn of ``sinkhorn_split`` in one launch (``first_step=True``) computes the
-    bits of the numpy oracle, and of the jnp first step followed by the steps' kernel."""
+    bits of the numpy oracle. On the CPU these are also the bits of the jnp first step followed by
+    the steps' kernel; on the GPU XLA's code for that first step is off by an ulp or so (an H100
+    measured up to 1.8e-7 after 19 steps), which the fused kernel removes."""
     c = _numerators(T, C, [T, C, iters, 1])
     got = np.asarray(sinkhorn.sinkhorn_iterate(c, iters - 1, 1e-6, first_step=True, interpret=interpret))
     want = sinkhorn_ref.sinkhorn_np(c, iters, 1e-6)
     np.testing.assert_array_equal(got, want)
-    two_launches = sinkhorn.sinkhorn_iterate(sinkhorn_ref.first_step_ref(c, 1e-6), iters - 1, 1e-6, interpret=interpret)
-    np.testing.assert_array_equal(got, np.asarray(two_launches))
+    if interpret:
+        two_launches = sinkhorn.sinkhorn_iterate(sinkhorn_ref.first_step_ref(c, 1e-6), iters - 1, 1e-6, interpret=True)
+        np.testing.assert_array_equal(got, np.asarray(two_launches))
     np.testing.assert_allclose(got.sum(-2), 1.0, rtol=1e-4)  # columns normalised last (to 1 - eps / sum)
     assert not np.allclose(got, sinkhorn_ref.first_step_np(c, 1e-6), rtol=1e-3) or iters == 1
 
