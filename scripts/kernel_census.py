@@ -186,11 +186,14 @@ def join_trace(events, where: dict, steps: int) -> dict:
     ``(name, hlo_op, start_ns, duration_ns)`` (``step_profile.kernel_events``); an event is
     matched by its ``hlo_op``, else by its name, to an instruction of the census."""
     kernels, ns = collections.Counter(), collections.Counter()
+    lost_n, lost_ns = collections.Counter(), collections.Counter()  # unmatched, by (kernel name, hlo op)
     matched = 0
     for name, op, _start, dur in events:
         fn = where.get(op) or where.get(name) or where.get(re.sub(r"_(\d+)$", r".\1", name))
         if fn is None:
             fn = "(not in the census)"
+            lost_n[(name, op)] += 1
+            lost_ns[(name, op)] += dur
         else:
             matched += 1
         kernels[fn] += 1
@@ -198,8 +201,11 @@ def join_trace(events, where: dict, steps: int) -> dict:
     per = max(steps, 1)
     rows = [dict(function=fn, kernels_per_step=kernels[fn] / per, ms_per_step=ns[fn] * 1e-6 / per)
             for fn, _ in ns.most_common()]
+    # what the unmatched events are (library kernels carry their own names), the costliest first
+    unmatched = [dict(kernel=name, hlo_op=op, kernels_per_step=lost_n[(name, op)] / per,
+                      ms_per_step=d * 1e-6 / per) for (name, op), d in lost_ns.most_common(25)]
     return dict(steps=steps, events=len(events), matched_fraction=matched / len(events) if events else 0.0,
-                by_function=rows)
+                by_function=rows, unmatched=unmatched)
 
 
 def traced_events(llm, prompts, sp, steps: int) -> tuple[list, list, int]:
@@ -319,6 +325,10 @@ def main(argv=None) -> int:
     if trace:
         print(f"\ntraced {trace['steps']} steps ({trace['events']} kernel events, "
               f"{100 * trace['matched_fraction']:.0f}% matched to the census; variants {trace['variants']})")
+        if trace["unmatched"]:
+            print(f"\n{'traced/step':>11} {'ms/step':>8}  unmatched kernel (hlo op)")
+            for u in trace["unmatched"][:10]:
+                print(f"{u['kernels_per_step']:11.1f} {u['ms_per_step']:8.3f}  {u['kernel'][:90]} ({u['hlo_op']})")
     out = args.out or os.path.join("benchmarks", "results", f"kernel_census_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     res.pop("where")

@@ -71,6 +71,22 @@ def test_trace_events_match_the_census():
     assert sum(r["kernels_per_step"] for r in body) >= 7 and all(r["ms_per_step"] > 0 for r in body)
 
 
+def test_unmatched_events_are_named_costliest_first():
+    """Events the census cannot place (a library GEMM's own kernels) are listed by kernel name
+    and hlo op, per step, the costliest first, next to the "(not in the census)" total."""
+    kc = load_script("kernel_census")
+    where = {"fusion.1": "layers/norms.py:rms_norm"}
+    events = [("loop_fusion", "fusion.1", 0, 1000), ("sm90_xmma_gemm_bf16", "custom-call.3", 10, 5000),
+              ("sm90_xmma_gemm_bf16", "custom-call.3", 20, 5000), ("memcpy", "copy.9", 30, 400)]
+    joined = kc.join_trace(events, where, steps=2)
+    assert joined["matched_fraction"] == 0.25
+    lost = {r["function"]: r for r in joined["by_function"]}["(not in the census)"]
+    assert lost["kernels_per_step"] == 1.5 and lost["ms_per_step"] == pytest.approx(0.0052)
+    assert [(u["kernel"], u["hlo_op"], u["kernels_per_step"]) for u in joined["unmatched"]] == [
+        ("sm90_xmma_gemm_bf16", "custom-call.3", 1.0), ("memcpy", "copy.9", 0.5)]
+    assert joined["unmatched"][0]["ms_per_step"] == pytest.approx(0.005)
+
+
 def test_caller_is_the_model_part_not_the_helper():
     kc = load_script("kernel_census")
     pkg = "/x/deepinfer_jax/"
