@@ -260,7 +260,7 @@ def sinkhorn(comb_TCC, iters: int, eps: float):
 
 
 def _sinkhorn_steps(comb_TCC, iters: int, eps: float):
-    return sinkhorn_iterate(sinkhorn_ref.first_step_ref(comb_TCC, eps), max(iters - 1, 0), eps)
+    return sinkhorn_ref.sinkhorn_ref(comb_TCC, iters, eps, iterate=sinkhorn_iterate)
 
 
 def f32_matmul(x_TK, w_KN):

@@ -96,7 +96,7 @@ def sinkhorn_op(comb_TCC: jax.Array, iters: int, eps: float) -> jax.Array:
     """What ``ops.sinkhorn`` runs once registered: the first step and ``iters - 1`` steps in one
     kernel, where ``sinkhorn_iterate_op`` would run the kernel."""
     if jax.device_count() > 1 or not supported(comb_TCC):
-        return sinkhorn_ref.sinkhorn_iterate_ref(sinkhorn_ref.first_step_ref(comb_TCC, eps), max(iters - 1, 0), eps)
+        return sinkhorn_ref.sinkhorn_ref(comb_TCC, iters, eps)
     return sinkhorn_iterate(comb_TCC, max(int(iters) - 1, 0), float(eps), first_step=True)
 
 

@@ -103,6 +103,12 @@ def sinkhorn_iterate_ref(comb_TCC: jax.Array, n: int, eps: float) -> jax.Array:
     return from_entries(v, C).reshape(*lead, C, C)
 
 
+def sinkhorn_ref(comb_TCC: jax.Array, iters: int, eps: float, iterate=None) -> jax.Array:
+    """The whole mHC Sinkhorn (``ops.sinkhorn``'s reference) on the softmax numerators: the jnp
+    first step, then ``iters - 1`` steps by ``iterate`` (default ``sinkhorn_iterate_ref``)."""
+    return (iterate or sinkhorn_iterate_ref)(first_step_ref(comb_TCC, eps), max(iters - 1, 0), eps)
+
+
 def sinkhorn_iterate_np(comb_TCC, n: int, eps: float) -> np.ndarray:
     """The oracle: ``n`` steps in numpy fp32 (rows ``c / (sum + eps)``, then columns; each sum
     left to right, each division IEEE round-to-nearest)."""

@@ -32,7 +32,7 @@ def sinkhorn_split(m_TZ: jax.Array, scale_3: jax.Array, base_Z: jax.Array, hc: i
     comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     if iterate is None:  # the sums' order and true divisions of kernels_pallas/sinkhorn_ref.py
         return pre, post, ops.sinkhorn(comb, iters, eps)
-    return pre, post, iterate(sinkhorn_ref.first_step_ref(comb, eps), iters - 1, eps)
+    return pre, post, sinkhorn_ref.sinkhorn_ref(comb, iters, eps, iterate=iterate)
 
 
 def _sum_in_order(terms):
