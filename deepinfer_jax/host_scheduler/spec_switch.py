@@ -38,23 +38,24 @@ class AcceptanceRates:
     with the weight of one observation before any)."""
 
     def __init__(self, K: int, decay: float = 0.995, prior: float = 0.5) -> None:
-        self.judged = np.zeros(K)
-        self.accepted = np.zeros(K)
+        # Python floats, not numpy arrays: observe runs once per verified row, and numpy's
+        # per-call cost on K entries was most of the time it took
+        self.judged = [0.0] * K
+        self.accepted = [0.0] * K
         self.decay = decay
         self.prior = prior
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One verified row: drafts 1..min(a + 1, l) were judged, 1..a accepted."""
         n = min(num_accepted + 1, num_drafts)
-        if n <= 0:
-            return
-        self.judged[:n] = self.decay * self.judged[:n] + 1.0
-        self.accepted[:n] *= self.decay
-        self.accepted[:num_accepted] += 1.0
+        d, judged, accepted = self.decay, self.judged, self.accepted
+        for j in range(n):
+            judged[j] = d * judged[j] + 1.0
+            accepted[j] = d * accepted[j] + (1.0 if j < num_accepted else 0.0)
 
     def rates(self) -> np.ndarray:
         """[K] conditional acceptance probabilities."""
-        return (self.accepted + self.prior) / (self.judged + 1.0)
+        return (np.asarray(self.accepted) + self.prior) / (np.asarray(self.judged) + 1.0)
 
 
 class DraftSwitch:
