@@ -305,12 +305,17 @@ class Scheduler:
         are on the device); where the host has none (right after a prefill or a plain step),
         the observed acceptance rates."""
         K = self.num_draft_tokens
-        z_RK = np.zeros((len(decoding), K))
-        known_R = np.zeros(len(decoding), np.int64)
-        for i in np.flatnonzero(cap_R):
-            known = decoding[i].draft_confidence[:cap_R[i]]
-            z_RK[i, :len(known)] = known
-            known_R[i] = len(known)
+        R = len(decoding)
+        # filled as Python lists (one per-row numpy assignment cost more than the row's planning)
+        z = [0.0] * (R * K)
+        known = [0] * R
+        for i, c in enumerate(cap_R.tolist()):
+            if c:
+                conf = decoding[i].draft_confidence[:c]
+                z[i * K:i * K + len(conf)] = conf
+                known[i] = len(conf)
+        z_RK = np.array(z, np.float64).reshape(R, K)
+        known_R = np.array(known, np.int64)
         p_RK = 1.0 / (1.0 + np.exp(-z_RK)) if self.spec_confidence is None else self.spec_confidence(z_RK)
         j_K = np.arange(K)[None, :]
         p_RK = np.where(j_K < known_R[:, None], p_RK, self.spec_rates.rates()[None, :])
