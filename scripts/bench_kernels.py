@@ -2,10 +2,10 @@
 """The Pallas kernels and the LM head's split product against their baselines on this machine's
 GPU, one table each.
 
-Runs ``bench(quick)`` of ``scripts/kernel_bench/{moe_gmm,sparse_attention,indexer_topk,lm_head}.py``
+Runs ``bench(quick)`` of ``scripts/kernel_bench/{moe_gmm,sparse_attention,indexer_topk,lm_head,sinkhorn}.py``
 (each times our kernel and the baselines measured in the same run: dense bf16 matmul and
 ``jax.lax.ragged_dot``, the jnp gather+einsum attention, ``jax.lax.top_k``, the fp32 GEMM of the
-reference head, and the measured copy bandwidth), prints their tables and writes one JSON with the device, jax version and date.
+reference head, XLA's code for the Sinkhorn reference, and the measured copy bandwidth), prints their tables and writes one JSON with the device, jax version and date.
 
     python scripts/bench_kernels.py [--quick] [--only moe_gmm,sparse_attention] [--out FILE]
 """
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-BENCHES = ("moe_gmm", "sparse_attention", "indexer_topk", "lm_head")
+BENCHES = ("moe_gmm", "sparse_attention", "indexer_topk", "lm_head", "sinkhorn")
 
 
 def main(argv=None) -> int:

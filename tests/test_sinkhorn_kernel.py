@@ -67,6 +67,32 @@ def test_first_step_in_the_kernel_matches_the_oracle(interpret, T, C, iters):
     assert not np.allclose(got, sinkhorn_ref.first_step_np(c, 1e-6), rtol=1e-3) or iters == 1
 
 
+def _wide_numerators(T, C, seed):
+    """Softmax numerators of logits spread so wide that some underflow: subnormal entries and
+    exact zeros beside the 1 of each row (what the first step's ``+ eps`` must absorb)."""
+    z = np.random.default_rng(seed).standard_normal((T, C, C)).astype(np.float32) * 40
+    c = np.exp(z - z.max(-1, keepdims=True))
+    assert (c == 0).any() and ((c > 0) & (c < np.finfo(np.float32).tiny)).any()
+    return jnp.asarray(c, jnp.float32)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("division", ["fma", "rn"])
+def test_both_divisions_give_the_oracle_bits(interpret, division):
+    """The kernel's branch-free division (``"fma"``, the default) and PTX ``div.rn.f32`` give the
+    oracle's bits, also on entries that underflow (compiled: the GPU's instructions; interpreted,
+    both are XLA's division)."""
+    for c in (_numerators(300, 4, 5), _wide_numerators(300, 4, 6)):
+        got = np.asarray(sinkhorn.sinkhorn_iterate(c, 19, 1e-6, first_step=True, interpret=interpret,
+                                                   division=division))
+        np.testing.assert_array_equal(got, sinkhorn_ref.sinkhorn_np(c, 20, 1e-6))
+
+
+def test_unknown_division_is_named():
+    with pytest.raises(ValueError, match="division 'approx'"):
+        sinkhorn.sinkhorn_iterate(_numerators(4, 4, 0), 19, 1e-6, interpret=True, division="approx")
+
+
 def test_split_reference_is_the_oracle():
     """``sinkhorn_split`` through ``ops.sinkhorn``'s reference (jnp first step, then the steps),
     compiled for the CPU, gives the oracle's bits."""

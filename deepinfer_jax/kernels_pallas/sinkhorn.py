@@ -7,10 +7,19 @@ in registers: one program per ``block_t`` tokens, inside one ``scf.for``.
 
 Layout: the wrapper hands the kernel ``[C*C, T]`` (entry-major), so the program holds each of
 the ``C*C`` entries as one vector over its tokens and every step is elementwise arithmetic on
-those vectors: the reference's own ``sinkhorn_ref.step`` (sums left to right, true divisions,
-compiled as PTX ``div.rn.f32``: Triton's ``/`` is approximate). The kernel therefore computes the
-bits of the numpy oracle ``sinkhorn_ref.sinkhorn_iterate_np``, in interpret mode and compiled (tests
-compare with ``assert_array_equal``; XLA's own GPU code for the jnp reference does not).
+those vectors: the reference's own ``sinkhorn_ref.step`` (sums left to right, true divisions:
+Triton's ``/`` is approximate). The kernel therefore computes the bits of the numpy oracle
+``sinkhorn_ref.sinkhorn_iterate_np``, in interpret mode and compiled (tests compare with
+``assert_array_equal``; XLA's own GPU code for the jnp reference does not).
+
+Division (``division``): PTX ``div.rn.f32`` (``"rn"``) compiles to a reciprocal, four FMAs and a
+range check that branches to a slow path; a branch after each of a call's 640 divisions keeps
+the compiler from overlapping them. ``"fma"`` (the default) is that fast path alone, without the
+check: a reciprocal estimate refined by one Newton step, the quotient and one FMA correction,
+which rounds as IEEE division does wherever the divisor, the dividend and the quotient are normal
+numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in the first step, a
+row sum at least 1), and an entry that is subnormal before the first step's ``+ eps`` is absorbed
+by it, so the two give the same bits (the device tests compare them with the oracle).
 """
 
 from __future__ import annotations
@@ -33,11 +42,34 @@ def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _kernel(c_ref, o_ref, *, n: int, C: int, eps: float, first_step: bool, interpret: bool):
+# the fast path of div.rn.f32 (no range check, so no branch): y ~ 1/b (MUFU), refined by one
+# Newton step; q = a*y, then q + (a - b*q)*y
+_DIV_FMA = """{
+.reg .f32 y, e, nb, q, r;
+rcp.approx.ftz.f32 y, $2;
+neg.f32 nb, $2;
+fma.rn.f32 e, nb, y, 0f3F800000;
+fma.rn.f32 y, y, e, y;
+mul.rn.f32 q, $1, y;
+fma.rn.f32 r, nb, q, $1;
+fma.rn.f32 $0, r, y, q;
+}"""
+
+
+def _div_fma(a: jax.Array, b: jax.Array) -> jax.Array:
+    """IEEE fp32 division for normal operands and quotients (module docstring), branch-free."""
+    return plgpu.elementwise_inline_asm(_DIV_FMA, args=[a, b], constraints="=f,f,f", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+_DIVISIONS = {"rn": _div_rn, "fma": _div_fma}
+
+
+def _kernel(c_ref, o_ref, *, n: int, C: int, eps: float, first_step: bool, interpret: bool, division: str):
     v = tuple(c_ref[k] for k in range(C * C))
     # interpreted, the body is XLA HLO: the reference's barriers and XLA's division; compiled,
-    # Triton does not rewrite divisions, and divides with div.rn
-    how = {} if interpret else {"barrier": False, "div": _div_rn}
+    # Triton does not rewrite divisions, and divides with ``division``
+    how = {} if interpret else {"barrier": False, "div": _DIVISIONS[division]}
     if first_step:
         v = sinkhorn_ref.first_step(v, C, eps, **how)
     v = lax.fori_loop(0, n, lambda _, x: sinkhorn_ref.step(x, C, eps, **how), v)
@@ -50,13 +82,16 @@ def supported(comb_TCC: jax.Array) -> bool:
     return comb_TCC.ndim == 3 and comb_TCC.shape[-2] == C and C >= 1 and C & (C - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("n", "eps", "first_step", "interpret", "block_t"))
+@functools.partial(jax.jit, static_argnames=("n", "eps", "first_step", "interpret", "block_t", "division"))
 def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, first_step: bool = False,
-                     interpret: bool = False, block_t: int | None = None) -> jax.Array:
+                     interpret: bool = False, block_t: int | None = None, division: str = "fma") -> jax.Array:
     """Kernel twin of ``sinkhorn_ref.sinkhorn_iterate_ref`` on ``[T, C, C]`` (C a power of two).
     ``first_step``: ``comb`` holds the softmax numerators of ``mhc.sinkhorn_split``, and the
     kernel runs ``sinkhorn_ref.first_step`` before the ``n`` steps (in the step's XLA code that
-    step alone was ~20 tiny kernels a call)."""
+    step alone was ~20 tiny kernels a call). ``division``: ``"fma"`` or ``"rn"`` (module docstring;
+    the same bits)."""
+    if division not in _DIVISIONS:
+        raise ValueError(f"sinkhorn kernel: division {division!r} must be one of {sorted(_DIVISIONS)}")
     if not supported(comb_TCC):
         raise ValueError(f"sinkhorn kernel: comb {comb_TCC.shape} must be [T, C, C] with C a power of two")
     T, C, _ = comb_TCC.shape
@@ -71,7 +106,7 @@ def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, first_step: boo
     spec = pl.BlockSpec((C * C, bt), lambda i: (0, i))
     out = pl.pallas_call(
         functools.partial(_kernel, n=int(n), C=C, eps=float(eps), first_step=bool(first_step),
-                          interpret=bool(interpret)),
+                          interpret=bool(interpret), division=division),
         grid=(Tp // bt,),
         in_specs=[spec],
         out_specs=spec,
