@@ -13,13 +13,15 @@ Triton's ``/`` is approximate). The kernel therefore computes the bits of the nu
 ``assert_array_equal``; XLA's own GPU code for the jnp reference does not).
 
 Division (``division``): PTX ``div.rn.f32`` (``"rn"``) compiles to a reciprocal, four FMAs and a
-range check that branches to a slow path; a branch after each of a call's 640 divisions keeps
-the compiler from overlapping them. ``"fma"`` (the default) is that fast path alone, without the
-check: a reciprocal estimate refined by one Newton step, the quotient and one FMA correction,
-which rounds as IEEE division does wherever the divisor, the dividend and the quotient are normal
-numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in the first step, a
+range check that branches to a slow path; a branch after each of a call's 640 divisions may keep
+the compiler from overlapping them, and the kernel is latency-bound. ``"fma"`` is that fast path
+alone, without the check: a reciprocal estimate refined by one Newton step, the quotient and one
+FMA correction, which rounds as IEEE division does wherever the divisor, the dividend and the
+quotient are normal numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in the first step, a
 row sum at least 1), and an entry that is subnormal before the first step's ``+ eps`` is absorbed
-by it, so the two give the same bits (the device tests compare them with the oracle).
+by it, so the two should give the same bits. ``"rn"`` stays the default until a GPU run of the
+device tests (both divisions against the oracle) and of ``scripts/kernel_bench/sinkhorn.py`` says
+``"fma"`` is exact and faster.
 """
 
 from __future__ import annotations
@@ -84,12 +86,11 @@ def supported(comb_TCC: jax.Array) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("n", "eps", "first_step", "interpret", "block_t", "division"))
 def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, first_step: bool = False,
-                     interpret: bool = False, block_t: int | None = None, division: str = "fma") -> jax.Array:
+                     interpret: bool = False, block_t: int | None = None, division: str = "rn") -> jax.Array:
     """Kernel twin of ``sinkhorn_ref.sinkhorn_iterate_ref`` on ``[T, C, C]`` (C a power of two).
     ``first_step``: ``comb`` holds the softmax numerators of ``mhc.sinkhorn_split``, and the
     kernel runs ``sinkhorn_ref.first_step`` before the ``n`` steps (in the step's XLA code that
-    step alone was ~20 tiny kernels a call). ``division``: ``"fma"`` or ``"rn"`` (module docstring;
-    the same bits)."""
+    step alone was ~20 tiny kernels a call). ``division``: ``"rn"`` or ``"fma"`` (module docstring)."""
     if division not in _DIVISIONS:
         raise ValueError(f"sinkhorn kernel: division {division!r} must be one of {sorted(_DIVISIONS)}")
     if not supported(comb_TCC):
