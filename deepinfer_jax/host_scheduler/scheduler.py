@@ -242,37 +242,40 @@ class Scheduler:
         return 1 + min(self._draft_plan.get(req.request_id, 0), budget - 1)
 
     # ------------------------------------------------------------------ speculative decoding
-    def draft_cap(self, req: Request) -> int:
-        """Drafts the request's next verification row may carry: at most ``num_draft_tokens``
-        (and ``draft_limit``), and no more than ``max_tokens`` and ``max_model_len`` leave room
-        for, counting in-flight rows as fully accepted. A row after an in-flight one takes that step's drafts on the
-        device (async); otherwise the host's drafts from the last processed step. Before
-        ``min_tokens`` outputs a row is planned only with nothing in flight (``_num_new_tokens``),
-        so the count its per-slot bans start from is exact (``ScheduledRow.ban_slots``)."""
-        room = self._draft_room(req)
-        if req.num_pending:  # the in-flight step's drafts: all of them, or none from a plain step
-            return room if self._drafting else 0
-        return min(room, len(req.draft_token_ids))
-
-    def _draft_room(self, req: Request) -> int:
-        """``draft_cap`` without the drafts at hand: what a decode row of ``req`` could carry if
-        the previous step had drafted (varlen's estimate after a plain step)."""
-        if req.num_computed != req.num_tokens_planned - 1:
-            return 0
+    def _draft_caps(self) -> tuple[list[Request], list[int], list[int]]:
+        """The decode rows' requests (every token but the newest computed), in running order, with
+        each one's room and cap. Room: the drafts a verification row of it may carry, at most
+        ``num_draft_tokens`` (and ``draft_limit``), and no more than ``max_tokens`` and
+        ``max_model_len`` leave room for, counting in-flight rows as fully accepted. Cap: the
+        drafts at hand within the room; a row after an in-flight one takes that step's drafts on
+        the device (async: all of them, or none after a plain step), otherwise the host's drafts
+        from the last processed step. Before ``min_tokens`` outputs a row is planned only with
+        nothing in flight (``_num_new_tokens``), so the count its per-slot bans start from is exact
+        (``ScheduledRow.ban_slots``). The room alone is varlen's estimate after a plain step.
+        (One pass, the counts read once per request: it runs every step over every request.)"""
         K = self.num_draft_tokens if self.draft_limit is None else min(self.draft_limit, self.num_draft_tokens)
-        return max(0, min(K, req.params.max_tokens - req.num_outputs_planned - 1,
-                          self.max_model_len - req.num_tokens_planned - 1))
+        mml, drafting = self.max_model_len, self._drafting
+        decoding, rooms, caps = [], [], []
+        for r in self.running:
+            n_out = len(r.output_token_ids) + r.num_pending
+            planned = len(r.prompt_token_ids) + n_out
+            if r.num_computed != planned - 1:
+                continue
+            room = max(0, min(K, r.params.max_tokens - n_out - 1, mml - planned - 1))
+            decoding.append(r)
+            rooms.append(room)
+            caps.append((room if drafting else 0) if r.num_pending else min(room, len(r.draft_token_ids)))
+        return decoding, rooms, caps
 
     def _plan_drafts(self, budget: int) -> tuple[dict[str, int], bool]:
         """(request id -> drafts of its verification row this step, whether the step is plain):
         the cap (fixed length) or Algorithm 1 over the decode rows' confidences
         (``spec_varlen``); with plain steps (``spec_switch``) the step may be plain (no drafts)."""
-        caps = {r.request_id: self.draft_cap(r) for r in self.running}
-        caps = {k: v for k, v in caps.items() if v > 0}
+        decoding, rooms, cap_list = self._draft_caps()
+        caps = {r.request_id: c for r, c in zip(decoding, cap_list) if c > 0}
         switch = self.spec_switch
         if not self.spec_varlen or self.spec_sps is None or (not caps and switch is None):
             return caps, False
-        decoding = [r for r in self.running if r.num_computed == r.num_tokens_planned - 1]
         R = len(decoding)
         # the step runs at its padded token bucket: the stopping rule looks at bucket ends. Prompt
         # tokens go first: a draft is worth its acceptance probability (< 1), a prompt token is
@@ -282,10 +285,10 @@ class Scheduler:
         sps = self.spec_sps if not P else (lambda B, f=self.spec_sps: f(B + P))
         buckets = self.spec_buckets and tuple(b - P for b in self.spec_buckets if b > P)
         if caps:
-            cap_R = np.fromiter((caps.get(r.request_id, 0) for r in decoding), np.int64, R)
+            cap_R = np.array(cap_list, np.int64).reshape(R)
             conf = self._confidences(decoding, cap_R)
         else:  # no drafts at hand (the newest step was plain): as if every row had them
-            cap_R = np.fromiter((self._draft_room(r) for r in decoding), np.int64, R)
+            cap_R = np.array(rooms, np.int64).reshape(R)
             conf = np.where(np.arange(self.num_draft_tokens)[None, :] < cap_R[:, None], self.spec_rates.rates(), 0.0)
         lengths = plan_varlen(conf, sps, max_tokens=cap, buckets=buckets or None)
         if switch is not None:
