@@ -17,9 +17,9 @@ range check that branches to a slow path; a branch after each of a call's 640 di
 the compiler from overlapping them, and the kernel is latency-bound. ``"fma"`` is that fast path
 alone, without the check: a reciprocal estimate refined by one Newton step, the quotient and one
 FMA correction, which rounds as IEEE division does wherever the divisor, the dividend and the
-quotient are normal numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in the first step, a
-row sum at least 1), and an entry that is subnormal before the first step's ``+ eps`` is absorbed
-by it, so the two should give the same bits. ``"rn"`` stays the default until a GPU run of the
+quotient are normal numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in
+the first step, a row sum at least 1), and an entry that is subnormal before the first step's
+``+ eps`` is absorbed by it, so the two should give the same bits. ``"rn"`` stays the default until a GPU run of the
 device tests (both divisions against the oracle) and of ``scripts/kernel_bench/sinkhorn.py`` says
 ``"fma"`` is exact and faster.
 """

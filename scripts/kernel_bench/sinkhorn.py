@@ -26,14 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 ITERS, EPS, C = 20, 1e-6, 4
 
 
-def _ulps(a, b) -> int:
-    import numpy as np
-
-    ia = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
-    ib = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
-    return int(np.abs(ia - ib).max()) if ia.size else 0
-
-
 def bench(quick: bool = False) -> list[dict]:
     import functools
 
@@ -43,6 +35,7 @@ def bench(quick: bool = False) -> list[dict]:
     import numpy as np
 
     from kernel_bench import chained_time
+    from kernel_bench.sinkhorn_bits_probe import ulps
     from deepinfer_jax.kernels_pallas import sinkhorn, sinkhorn_ref
 
     gpu = jax.default_backend() == "gpu"
@@ -63,7 +56,7 @@ def bench(quick: bool = False) -> list[dict]:
             t = chained_time(fn, (c,), iters=20 if quick else 100)
             base = t if base is None else base
             rows.append({"T": T, "impl": name, "us": t * 1e6, "x_xla": base / t,
-                         "oracle": bool(np.array_equal(got, want)), "max_ulp": _ulps(got, want)})
+                         "oracle": bool(np.array_equal(got, want)), "max_ulp": int(ulps(got, want).max())})
     return rows
 
 
