@@ -79,7 +79,7 @@ def _wide_numerators(T, C, seed):
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("division", ["fma", "rn"])
 def test_both_divisions_give_the_oracle_bits(interpret, division):
-    """PTX ``div.rn.f32`` (the default) and the kernel's branch-free division (``"fma"``) give the
+    """PTX ``div.rn.f32`` and the kernel's branch-free division (``"fma"``, the default) give the
     oracle's bits, also on entries that underflow (compiled: the GPU's instructions; interpreted,
     both are XLA's division)."""
     for c in (_numerators(300, 4, 5), _wide_numerators(300, 4, 6)):

@@ -19,9 +19,9 @@ alone, without the check: a reciprocal estimate refined by one Newton step, the 
 FMA correction, which rounds as IEEE division does wherever the divisor, the dividend and the
 quotient are normal numbers. Here every divisor is a sum of positive entries plus ``eps`` (or, in
 the first step, a row sum at least 1), and an entry that is subnormal before the first step's
-``+ eps`` is absorbed by it, so the two should give the same bits. ``"rn"`` stays the default until a GPU run of the
-device tests (both divisions against the oracle) and of ``scripts/kernel_bench/sinkhorn.py`` says
-``"fma"`` is exact and faster.
+``+ eps`` is absorbed by it, so the two give the same bits. ``"fma"`` is the default: on an H100
+both divisions gave the oracle's bits in the device tests, and ``"fma"`` took about half the time
+of ``"rn"`` (``scripts/kernel_bench/sinkhorn.py``; numbers in ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def supported(comb_TCC: jax.Array) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("n", "eps", "first_step", "interpret", "block_t", "division"))
 def sinkhorn_iterate(comb_TCC: jax.Array, n: int, eps: float, *, first_step: bool = False,
-                     interpret: bool = False, block_t: int | None = None, division: str = "rn") -> jax.Array:
+                     interpret: bool = False, block_t: int | None = None, division: str = "fma") -> jax.Array:
     """Kernel twin of ``sinkhorn_ref.sinkhorn_iterate_ref`` on ``[T, C, C]`` (C a power of two).
     ``first_step``: ``comb`` holds the softmax numerators of ``mhc.sinkhorn_split``, and the
     kernel runs ``sinkhorn_ref.first_step`` before the ``n`` steps (in the step's XLA code that
