@@ -85,7 +85,7 @@ def host_only_runner(model_dir: str, ec, cfg, seed: int, accept: float = 0.6):
                                         -rng.random(R, dtype=np.float32), np.zeros((R, N), np.int32),
                                         np.zeros((R, N), np.float32))
                     return None, jax.device_put(out), None, None
-                rows = sched.rows  # (verification rows: never decode columns)
+                rows = sched.rows  # (decode columns of a plain step: built as rows here)
                 nd = np.zeros(R, np.int64)
                 nd[:len(rows)] = [r.num_drafts for r in rows]
                 passed = rng.random((R, K)) < accept
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--spec", default="none", help="comma-separated: none, fixed, varlen (DSpark rows; "
-                    "random acceptance --accept per draft)")
+                    "random acceptance --accept per draft), plain (a speculative engine held in plain steps: "
+                    "its host path where varlen stops verifying)")
     ap.add_argument("--accept", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
     if any(m not in ("sync", "async") for m in modes):
         ap.error(f"--modes: {args.modes!r}: expected sync and/or async")
     specs = args.spec.split(",")
-    if any(m not in ("none", "fixed", "varlen") for m in specs):
-        ap.error(f"--spec: {args.spec!r}: expected none, fixed and/or varlen")
+    if any(m not in ("none", "fixed", "varlen", "plain") for m in specs):
+        ap.error(f"--spec: {args.spec!r}: expected none, fixed, varlen and/or plain")
     if not 0.0 <= args.accept <= 1.0:
         ap.error(f"--accept: {args.accept}: must be in [0, 1]")
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
         # every prompt in the first step, then R decode rows a step (verification rows with
         # speculation: buckets of R, 2R, ... (K+1)R tokens)
         K = cfg.dspark_block_size if spec != "none" else 0  # EngineConfig's default num_draft_tokens
-        kw = dict(spec_decode="dspark", spec_varlen=(spec == "varlen")) if spec != "none" else {}
+        kw = dict(spec_decode="dspark", spec_varlen=(spec != "fixed")) if spec != "none" else {}
         prefill = max(R * args.input_len, R * (K + 1))
         ec = EngineConfig.from_kwargs(max_num_seqs=R, max_num_batched_tokens=prefill, precompile=False,
                                       token_buckets=tuple(sorted({R * (k + 1) for k in range(K + 1)} | {prefill})),
@@ -166,6 +167,8 @@ def main(argv=None) -> int:
             engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=(mode == "async")), tok,
                                cfg.eos_token_id, vocab_size=cfg.vocab_size)
             engine.forward_estimator = None  # plan from the modelled curve, not the fake steps' times
+            if spec == "plain":  # every step plain, as varlen's switch chooses where verifying does not pay
+                engine.scheduler._plan_drafts = lambda budget: ({}, True)
             engine.add_requests([(f"r{i}", p, sp) for i, p in enumerate(prompts)])
             t0 = time.perf_counter()
             outs = engine.run_until_done()
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
             print(f"{R:5d} {mode:6} {spec:6} {len(dec):6d} " + " ".join(f"{med.get(p, 0):9.3f}" for p in PHASES)
                   + f" {total:8.3f} {pre_total:14.3f}"
                   + (f"   drafts/row {table[-1]['drafts_per_row']:.2f}, tau {summ['mean_accepted_length']:.2f}"
-                     if spec != "none" else ""))
+                     if spec not in ("none", "plain") else ""))
     out = args.out or os.path.join("benchmarks", "results", f"host_path_{platform.machine()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     import jax

@@ -135,3 +135,92 @@ def test_cohort_step_inputs_equal_the_row_path_inputs():
     outs = engine.run_until_done()
     assert len(outs) == 48
     assert len(checked) > 20 and all(checked), (len(checked), checked.count(False))
+
+
+def _plain_pattern_plan(orig, period: int):
+    """``Scheduler._plan_drafts`` that makes runs of ``period`` plain steps alternate with runs of
+    as many verification steps (the step id decides), whatever the switch would choose."""
+    def plan(self, budget):
+        drafts, plain = orig(self, budget)
+        if (self.next_step_id // period) % 2 == 0:
+            return {}, True
+        return drafts, plain
+    return plan
+
+
+@pytest.mark.parametrize("period, share", [(3, 0.25), (8, 0.5)])
+def test_speculative_plain_steps_use_the_cohort_and_plan_what_the_row_path_plans(period, share, monkeypatch):
+    """A speculative engine's plain steps plan their steady decode rows as columns (device rows),
+    with the row path's plans, step inputs and outputs: with the cohort on and off, every step's
+    rows (every field, in order) and every request's tokens are the same, and each plain step
+    planned as columns alone builds the row path's step inputs array for array. Runs of plain
+    steps alternate with verification steps (the cohort starts over after each), requests finish
+    and are admitted throughout, random acceptance."""
+    from bench_host_path import host_only_runner
+
+    from deepinfer_jax.base.scheduler_output import SchedulerOutput
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.engine_config import EngineConfig
+    from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
+    from deepinfer_jax.runner.step_inputs import build_step_input
+    from deepinfer_jax.sampling.params import SamplingParams
+    from deepinfer_jax.sampling.sampler import SamplingReuse
+    from deepinfer_jax.tokenizer.loader import load_tokenizer
+
+    model_dir = resolve_model(DEFAULT_MODEL, progress=False)
+    cfg = ModelConfig.from_json(model_dir)
+    tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    ec = EngineConfig.from_kwargs(max_num_seqs=16, max_num_batched_tokens=96, precompile=False,
+                                  token_buckets=(16, 32, 96), spec_decode="dspark", spec_varlen=False
+                                  ).resolve(cfg, "cpu")
+    monkeypatch.setattr(Scheduler, "_plan_drafts", _plain_pattern_plan(Scheduler._plan_drafts, period))
+
+    def run_engine(check_inputs: bool):
+        runner = host_only_runner(model_dir, ec, cfg, seed=0, accept=0.5)
+        engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=True), tok, cfg.eos_token_id,
+                           vocab_size=cfg.vocab_size)
+        engine.forward_estimator = None
+        rng = np.random.default_rng(4)
+        engine.add_requests([(f"q{i}", rng.integers(4, 2000, int(rng.integers(2, 30))).tolist(),
+                              SamplingParams(temperature=float(i % 2), seed=i, max_tokens=int(rng.integers(1, 40)),
+                                             ignore_eos=True))
+                             for i in range(40)])
+        plans, checked, n_cols = [], [], 0
+        orig = runner.step_inputs
+        ref_reuse = SamplingReuse()
+
+        def step_inputs(sched, T, R, Td):
+            nonlocal n_cols
+            plans.append((sched.spec_plain, [dataclasses.astuple(r) for r in sched.rows]))
+            if sched.decode is not None:
+                assert sched.spec_plain  # columns only in plain steps
+                n_cols += len(sched.decode)
+                if check_inputs and not sched.tail_rows:
+                    kw = dict(num_tokens=T, num_rows=R, num_decoder_tokens=Td, cache_config=runner.cache_config,
+                              hasher=runner.hasher, vocab=cfg.vocab_size, prompt_lp=False,
+                              spec_slots=runner.spec_slots, verify_slots=0)
+                    got = build_step_input(sched, **kw)
+                    rows = SchedulerOutput(sched.step_id, sched.rows, [], 0, [], spec_plain=True)
+                    want = build_step_input(rows, reuse=ref_reuse, **kw)
+                    checked.append(_leaves_equal(got, want))
+            return orig(sched, T, R, Td)
+
+        runner.step_inputs = step_inputs
+        outs = engine.run_until_done()
+        tokens = {o.request_id: o.outputs[0].token_ids for o in outs}
+        return plans, tokens, checked, n_cols, engine
+
+    plans, tokens, checked, n_cols, engine = run_engine(True)
+    monkeypatch.setattr(Scheduler, "decode_cohort", False)
+    ref_plans, ref_tokens, _, ref_cols, _ = run_engine(False)
+    assert ref_cols == 0
+    assert plans == ref_plans
+    assert tokens == ref_tokens and len(tokens) == 40
+    n_plain_decode = sum(1 for plain, rows in plans if plain for r in rows if r[5] and len(r[3]) == 1)
+    # (a run of plain steps plans its first step's rows, and the rows of requests that verified
+    # drafts in the step before, on the row path; from its third step on, the steady ones as columns)
+    assert n_cols > share * n_plain_decode, (n_cols, n_plain_decode)
+    assert any(not plain for plain, _ in plans)  # verification steps between the plain runs
+    assert len(checked) > 5 and all(checked), (len(checked), checked.count(False))
+    assert engine.stats.summary()["drafts_accepted"] > 0

@@ -87,6 +87,10 @@ class DecodeColumns:
     params: list[Any]
     seeds: list[int]
     history_RH: np.ndarray | None   # int64 [R, H]; None when the scheduler keeps no history
+    # a plain step of a speculative engine: the rows are the row path's device rows (their tokens,
+    # position shift and Engram ids resolved on the device from the previous step's carry), the
+    # look-back their ``spec_ctx`` instead of their ``history``
+    spec: bool = False
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -97,9 +101,13 @@ class DecodeColumns:
     __hash__ = None
 
     def rows(self) -> list[ScheduledRow]:
-        hist = self.history_RH.tolist() if self.history_RH is not None else [None] * len(self)
-        return [ScheduledRow(rid, ep, st, [-1], pr, True, sl, bl, fl, dfl, cs, False, p, sd, [], False, None, h, 0,
-                             None, 1)
+        if self.history_RH is not None:
+            hist = self.history_RH.tolist()
+        else:
+            hist = [[] if self.spec else None for _ in range(len(self))]
+        spec = self.spec
+        return [ScheduledRow(rid, ep, st, [-1], pr, True, sl, bl, fl, dfl, cs, False, p, sd, [], False, None,
+                             None if spec else h, 0, h if spec else None, 1)
                 for rid, ep, st, pr, sl, bl, fl, dfl, cs, p, sd, h in zip(
                     self.request_ids, self.epochs, self.start_R.tolist(), self.prev_R.tolist(),
                     self.slot_R.tolist(), self.blocks, self.floor_R.tolist(), self.dec_floor_R.tolist(),

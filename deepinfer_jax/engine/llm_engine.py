@@ -418,7 +418,7 @@ class LLMEngine:
             if req is None or req.status.finished or epoch != req.epoch:
                 continue  # finished, aborted or preempted since this step was planned
             if row is None:
-                pass  # a decode column's row: samples, no prompt logprobs, never a verification row
+                pass  # a decode column's row: samples, no prompt logprobs, no drafts
             elif row.prompt_logprobs and res.prompt_target_lp is not None:
                 off = res.token_offsets[i]
                 for j in range(row.num_tokens):
@@ -434,16 +434,17 @@ class LLMEngine:
                 req.first_token_time = now
             if spec:
                 a = acc_R[i]
-                self.scheduler.commit_verification(req, row.num_drafts, a)
-                if row.num_drafts:
+                nd = row.num_drafts if row is not None else 0
+                self.scheduler.commit_verification(req, nd, a)
+                if nd:
                     # the drafts verified here came with the previous step's results, and so did
                     # req.draft_confidence (replaced below by this step's)
-                    if self.spec_calibrator is not None and len(req.draft_confidence) >= row.num_drafts:
-                        self.spec_calibrator.observe(req.draft_confidence, row.num_drafts, a)
+                    if self.spec_calibrator is not None and len(req.draft_confidence) >= nd:
+                        self.spec_calibrator.observe(req.draft_confidence, nd, a)
                     spec_rows += 1
-                    verified += row.num_drafts
+                    verified += nd
                     accepted += a
-                    req.num_drafts_verified += row.num_drafts
+                    req.num_drafts_verified += nd
                     req.num_drafts_accepted += a
                     pp = req.drafts_accepted_per_position
                     if len(pp) < K:

@@ -17,8 +17,16 @@ fills one for the prefix cache. Members whose last sample is in flight (``max_to
 cohort there: it and the requests after it go to the row path, which handles every other case
 (preemption included). ``grow`` adds the row path's steady decode rows that continue the prefix.
 
+With speculation the cohort plans only plain steps (``SchedulerOutput.spec_plain``): its rows
+are then the row path's device rows (their look-back is the row's ``spec_ctx``, and the device
+resolves them from the previous step's carry), and members verify no drafts. A verification step
+plans every row on the row path, and the cohort starts over after it: a run of plain steps
+plans its steady rows as columns from its third step on, once the verified drafts are out of
+flight.
+
 The plan is the row path's, row for row and in the same order
-(``tests/test_scheduler.py`` compares them field by field, ``Scheduler.decode_cohort``).
+(``tests/test_scheduler.py`` and ``tests/test_decode_cohort.py`` compare them field by field,
+``Scheduler.decode_cohort``).
 """
 
 from __future__ import annotations
@@ -67,7 +75,9 @@ class DecodeCohort:
         self.cap_R = _ints(map(len, self.blocks), n) * s._block_tokens
         self.reg_R = _ints((q.num_registered_blocks for q in reqs), n)
         H = s.history_tokens
-        self.hist_RH = (np.array([r.history for r in rows], np.int64).reshape(n, H) if H
+        self.spec = bool(s.num_draft_tokens)  # device rows (plain steps of a speculative engine)
+        look = (r.spec_ctx for r in rows) if self.spec else (r.history for r in rows)
+        self.hist_RH = (np.array(list(look), np.int64).reshape(n, H) if H
                         else np.zeros((n, 0), np.int64))
 
     def __len__(self) -> int:
@@ -77,11 +87,16 @@ class DecodeCohort:
     def eligible(row: ScheduledRow, req: Request, history_tokens: int) -> bool:
         """Whether a planned row is a steady async decode row (the placeholder its only token,
         nothing banned, its look-back full) whose request has exactly it and the previous
-        step's sample in flight."""
+        step's sample in flight. In a speculative engine (a plain step's device rows) the
+        look-back is the row's ``spec_ctx``: full (the row past the first ``history_tokens``
+        positions) and no drafts in flight."""
         p = row.params
+        if row.spec_ctx is not None:
+            look_ok = len(row.spec_ctx) == history_tokens and row.start >= history_tokens
+        else:
+            look_ok = history_tokens == 0 or (row.history is not None and len(row.history) == history_tokens)
         return (row.prev_row >= 0 and row.sample and not row.num_drafts and not row.is_prefill
-                and len(row.token_ids) == 1 and not row.banned and not row.prompt_logprobs
-                and (history_tokens == 0 or (row.history is not None and len(row.history) == history_tokens))
+                and len(row.token_ids) == 1 and not row.banned and not row.prompt_logprobs and look_ok
                 and req.num_pending == 2 and not (p.structured_output is not None and p.grammar is not None))
 
     @staticmethod
@@ -176,8 +191,11 @@ class DecodeCohort:
             r.num_computed = p + 1
             r.num_pending = 2
             r.last_sample = (step, j)
+        if self.spec:
+            s.num_device_rows += m  # (their in-flight drafts stay 0: members verify none)
         cols = DecodeColumns(self.ids, self.epochs, s_R, self.row_R, self.slot_R, self.floor_R, self.dec_floor_R,
-                             self.cache_start_R, self.blocks, self.params, self.seeds, self.hist_RH if H else None)
+                             self.cache_start_R, self.blocks, self.params, self.seeds, self.hist_RH if H else None,
+                             spec=self.spec)
         self.start_R = s_R
         self.row_R = np.arange(m, dtype=np.int64)
         return cols, end

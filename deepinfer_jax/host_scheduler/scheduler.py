@@ -64,8 +64,8 @@ from deepinfer_jax.base.scheduler_output import ScheduledRow, SchedulerOutput  #
 
 class Scheduler:
     # steady decode rows planned by _decode_rows (the general path plans the same rows, slower;
-    # tests/test_scheduler.py compares the two), and as columns by a DecodeCohort (async decode
-    # without speculation; needs the fast path; the same comparison)
+    # tests/test_scheduler.py compares the two), and as columns by a DecodeCohort (async decode,
+    # with speculation in plain steps; needs the fast path; the same comparison)
     decode_fast_path = True
     decode_cohort = True
 
@@ -170,7 +170,11 @@ class Scheduler:
         self._draft_plan, plain = self._plan_drafts(budget) if self.num_draft_tokens else ({}, False)
         i = 0
         fast = self.decode_fast_path and not self.num_draft_tokens  # steady decode rows: _decode_rows
-        cohort = self.cohort if fast and self.decode_cohort else None
+        # the decode cohort: steady async decode rows as columns; with speculation only in plain
+        # steps (a verification step plans every row on the row path, and the cohort starts over)
+        cohort = (self.cohort if self.decode_fast_path and self.decode_cohort and (fast or plain) else None)
+        if cohort is None and len(self.cohort):
+            self.cohort = DecodeCohort([], [], [], self)
         cols = None
         if cohort is not None:  # the steady decode rows of the running prefix, as columns
             cols, i = cohort.plan(self, step, budget)
