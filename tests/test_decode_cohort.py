@@ -86,37 +86,46 @@ def _leaves_equal(a, b) -> bool:
                             for x, y in zip(la, lb))
 
 
-def test_cohort_step_inputs_equal_the_row_path_inputs():
-    """``build_step_input`` of a step planned as columns (``_decode_step_input``) equals the row
-    path's on the same rows built as ``ScheduledRow`` objects, array for array (the shipped
-    model's Engram hashing, sampling arrays reused between steps), at every such step of an
-    engine run whose requests finish and are admitted throughout."""
+def _host_engine(n_requests: int, seed: int, accept: float = 0.6, **ec_kwargs):
+    """(runner, engine, model config): an async ``LLMEngine`` over the shipped model's tokenizer and
+    Engram hashing whose step call returns synthetic outputs (``bench_host_path.host_only_runner``;
+    drafts accepted with probability ``accept``), holding ``n_requests`` random requests that
+    finish at different steps, half of them sampled."""
     from bench_host_path import host_only_runner
 
-    from deepinfer_jax.base.scheduler_output import SchedulerOutput
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.engine.llm_engine import LLMEngine
     from deepinfer_jax.engine_config import EngineConfig
     from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
-    from deepinfer_jax.runner.step_inputs import build_step_input
     from deepinfer_jax.sampling.params import SamplingParams
-    from deepinfer_jax.sampling.sampler import SamplingReuse
     from deepinfer_jax.tokenizer.loader import load_tokenizer
 
     model_dir = resolve_model(DEFAULT_MODEL, progress=False)
     cfg = ModelConfig.from_json(model_dir)
     tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-    ec = EngineConfig.from_kwargs(max_num_seqs=16, max_num_batched_tokens=64, precompile=False,
-                                  token_buckets=(16, 64)).resolve(cfg, "cpu")
-    runner = host_only_runner(model_dir, ec, cfg, seed=0)
+    ec = EngineConfig.from_kwargs(precompile=False, **ec_kwargs).resolve(cfg, "cpu")
+    runner = host_only_runner(model_dir, ec, cfg, seed=0, accept=accept)
     engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=True), tok, cfg.eos_token_id,
                        vocab_size=cfg.vocab_size)
     engine.forward_estimator = None
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     engine.add_requests([(f"q{i}", rng.integers(4, 2000, int(rng.integers(2, 30))).tolist(),
                           SamplingParams(temperature=float(i % 2), seed=i, max_tokens=int(rng.integers(1, 40)),
                                          ignore_eos=True))
-                         for i in range(48)])
+                         for i in range(n_requests)])
+    return runner, engine, cfg
+
+
+def test_cohort_step_inputs_equal_the_row_path_inputs():
+    """``build_step_input`` of a step planned as columns (``_decode_step_input``) equals the row
+    path's on the same rows built as ``ScheduledRow`` objects, array for array (the shipped
+    model's Engram hashing, sampling arrays reused between steps), at every such step of an
+    engine run whose requests finish and are admitted throughout."""
+    from deepinfer_jax.base.scheduler_output import SchedulerOutput
+    from deepinfer_jax.runner.step_inputs import build_step_input
+    from deepinfer_jax.sampling.sampler import SamplingReuse
+
+    runner, engine, cfg = _host_engine(48, seed=3, max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16, 64))
     checked = []
     orig = runner.step_inputs
     ref_reuse = SamplingReuse()
@@ -156,36 +165,15 @@ def test_speculative_plain_steps_use_the_cohort_and_plan_what_the_row_path_plans
     planned as columns alone builds the row path's step inputs array for array. Runs of plain
     steps alternate with verification steps (the cohort starts over after each), requests finish
     and are admitted throughout, random acceptance."""
-    from bench_host_path import host_only_runner
-
     from deepinfer_jax.base.scheduler_output import SchedulerOutput
-    from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.engine.llm_engine import LLMEngine
-    from deepinfer_jax.engine_config import EngineConfig
-    from deepinfer_jax.models.registry import DEFAULT_MODEL, resolve_model
     from deepinfer_jax.runner.step_inputs import build_step_input
-    from deepinfer_jax.sampling.params import SamplingParams
     from deepinfer_jax.sampling.sampler import SamplingReuse
-    from deepinfer_jax.tokenizer.loader import load_tokenizer
 
-    model_dir = resolve_model(DEFAULT_MODEL, progress=False)
-    cfg = ModelConfig.from_json(model_dir)
-    tok = load_tokenizer(model_dir, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-    ec = EngineConfig.from_kwargs(max_num_seqs=16, max_num_batched_tokens=96, precompile=False,
-                                  token_buckets=(16, 32, 96), spec_decode="dspark", spec_varlen=False
-                                  ).resolve(cfg, "cpu")
     monkeypatch.setattr(Scheduler, "_plan_drafts", _plain_pattern_plan(Scheduler._plan_drafts, period))
 
     def run_engine(check_inputs: bool):
-        runner = host_only_runner(model_dir, ec, cfg, seed=0, accept=0.5)
-        engine = LLMEngine(runner, dataclasses.replace(ec, async_scheduling=True), tok, cfg.eos_token_id,
-                           vocab_size=cfg.vocab_size)
-        engine.forward_estimator = None
-        rng = np.random.default_rng(4)
-        engine.add_requests([(f"q{i}", rng.integers(4, 2000, int(rng.integers(2, 30))).tolist(),
-                              SamplingParams(temperature=float(i % 2), seed=i, max_tokens=int(rng.integers(1, 40)),
-                                             ignore_eos=True))
-                             for i in range(40)])
+        runner, engine, cfg = _host_engine(40, seed=4, accept=0.5, max_num_seqs=16, max_num_batched_tokens=96,
+                                           token_buckets=(16, 32, 96), spec_decode="dspark", spec_varlen=False)
         plans, checked, n_cols = [], [], 0
         orig = runner.step_inputs
         ref_reuse = SamplingReuse()

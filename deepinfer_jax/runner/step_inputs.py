@@ -122,7 +122,7 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
         kw = dict(num_tokens=num_tokens, num_rows=num_rows, num_decoder_tokens=num_decoder_tokens,
                   cache_config=cache_config, hasher=hasher, vocab=vocab, num_banned=num_banned,
                   with_masks=bool(with_masks), cp_devices=cp_devices, reuse=reuse)
-        return _spec_plain_decode_step_input(d, spec_slots=K, **kw) if K else _decode_step_input(d, **kw)
+        return _decode_step_input(d, spec_slots=K, **kw)
     rows = sched.rows
     nr = len(rows)
     toks_R = list(map(_tokens, rows))
@@ -247,23 +247,25 @@ def build_step_input(sched, *, num_tokens: int, num_rows: int, num_decoder_token
                      ban_slots_R=ban_slots, spec_prev_row_R=spec_prev, spec_ctx_RC=spec_ctx, allowed_RW=allowed)
 
 
-def _decode_step_input(d, *, num_tokens: int, num_rows: int, num_decoder_tokens: int | None, cache_config, hasher,
-                       vocab: int, num_banned: int | None, with_masks: bool, cp_devices: int | None,
-                       reuse: SamplingReuse | None) -> StepInput:
+def _decode_step_input(d, *, spec_slots: int, num_tokens: int, num_rows: int, num_decoder_tokens: int | None,
+                       cache_config, hasher, vocab: int, num_banned: int | None, with_masks: bool,
+                       cp_devices: int | None, reuse: SamplingReuse | None) -> StepInput:
     """``build_step_input`` of a step whose rows are all decode columns (``sched.decode``): the
-    same arrays, read from the columns (one placeholder token a row, its Engram partial hash from
-    the row's look-back) instead of from row objects (``tests/test_decode_cohort.py`` compares
-    the two)."""
+    same arrays, read from the columns instead of from row objects (``tests/test_decode_cohort.py``
+    compares the two). Each row is one token: without speculation a placeholder (the previous
+    step's sample, ``prev``) with its Engram partial hash from the row's look-back; in a plain step
+    of a speculative engine (``spec_slots`` > 0, ``verify_slots=0``) a device row, resolved on the
+    device from the previous step's carry (its previous row in ``spec_prev_row_R``, its look-back
+    in ``spec_ctx_RC``)."""
     nr = len(d)
     rows_R = arange_of(nr)
-    prev = np.full(num_tokens, -1, np.int32)
-    prev[:nr] = d.prev_R
     n_layers = hasher.n_layers if hasher is not None else 0
-    partials = None
-    if hasher is not None:
-        Km1 = hasher.max_ngram_size - 1
-        partials = np.zeros((num_tokens, n_layers, Km1, 2), np.uint32)
-        if nr:
+    H = hasher.max_ngram_size - 1 if hasher is not None else 0
+    prev = np.full(num_tokens, -1, np.int32)
+    partials = np.zeros((num_tokens, n_layers, H, 2), np.uint32) if hasher is not None else None
+    if not spec_slots:
+        prev[:nr] = d.prev_R
+        if hasher is not None and nr:
             partials[:nr] = _placeholder_partials(hasher, d.history_RH)
     logit_rows = np.full(num_rows, -1, np.int64)
     logit_rows[:nr] = rows_R
@@ -278,44 +280,17 @@ def _decode_step_input(d, *, num_tokens: int, num_rows: int, num_decoder_tokens:
     sampling = sampling_batch_of(rows_R, d.params, d.seeds, d.start_R + 1, (), num_rows, vocab,
                                  num_banned=NUM_BANNED if num_banned is None else num_banned, reuse=reuse)
     sampling.all_greedy, sampling.needs_filter = False, True
-    allowed = np.full((num_rows, -(-vocab // 32)), -1, np.int32) if with_masks else None
-    return StepInput(batch, sampling, prev, partials, None, allowed_RW=allowed)
-
-
-def _spec_plain_decode_step_input(d, *, spec_slots: int, num_tokens: int, num_rows: int,
-                                  num_decoder_tokens: int | None, cache_config, hasher, vocab: int,
-                                  num_banned: int | None, with_masks: bool, cp_devices: int | None,
-                                  reuse: SamplingReuse | None) -> StepInput:
-    """``build_step_input`` of a plain step of a speculative engine (``verify_slots=0``) whose rows
-    are all decode columns (``sched.decode``, ``spec``): the row path's arrays for device rows
-    (one token each, resolved on the device from the previous step's carry: the previous row in
-    ``spec_prev_row_R``, the look-back in ``spec_ctx_RC``), read from the columns
-    (``tests/test_decode_cohort.py`` compares the two)."""
-    nr = len(d)
-    rows_R = arange_of(nr)
-    n_layers = hasher.n_layers if hasher is not None else 0
-    H = hasher.max_ngram_size - 1 if hasher is not None else 0
-    partials = np.zeros((num_tokens, n_layers, H, 2), np.uint32) if hasher is not None else None
-    logit_rows = np.full(num_rows, -1, np.int64)
-    logit_rows[:nr] = rows_R
-    cc = cache_config
-    batch = pack_batch(
-        np.zeros(nr, np.int64), np.ones(nr, np.int64), d.start_R, d.slot_R, d.blocks, d.floor_R,
-        np.maximum(d.floor_R, d.dec_floor_R), d.cache_start_R, engram_ids=None,
-        num_tokens=num_tokens, num_rows=num_rows, max_blocks=cc.max_blocks_per_seq, num_slots=cc.num_slots,
-        n_engram_layers=n_layers, n_hash_cols=hasher.n_hash_cols if hasher is not None else 0,
-        logits=logit_rows, num_logits=num_rows, num_decoder_tokens=num_decoder_tokens,
-        cp_devices=cp_devices, one_token_rows=True)
-    sampling = sampling_batch_of(rows_R, d.params, d.seeds, d.start_R + 1, (), num_rows, vocab,
-                                 num_banned=NUM_BANNED if num_banned is None else num_banned, reuse=reuse)
-    sampling.all_greedy, sampling.needs_filter = False, True
+    W = -(-vocab // 32)
+    if not spec_slots:
+        allowed = np.full((num_rows, W), -1, np.int32) if with_masks else None
+        return StepInput(batch, sampling, prev, partials, None, allowed_RW=allowed)
     spec_prev = np.full(num_rows, -1, np.int32)
     spec_prev[:nr] = d.prev_R
     spec_ctx = np.full((num_rows, H + spec_slots), -1, np.int32)
     if H:
         spec_ctx[:nr, :H] = d.history_RH
-    allowed = np.full((num_rows, 1, -(-vocab // 32)), -1, np.int32) if with_masks else None
-    return StepInput(batch, sampling, np.full(num_tokens, -1, np.int32), partials, None,
+    allowed = np.full((num_rows, 1, W), -1, np.int32) if with_masks else None
+    return StepInput(batch, sampling, prev, partials, None,
                      draft_RK=np.zeros((num_rows, 0), np.int32), num_drafts_R=np.zeros(num_rows, np.int32),
                      ban_slots_R=np.zeros(num_rows, np.int32), spec_prev_row_R=spec_prev, spec_ctx_RC=spec_ctx,
                      allowed_RW=allowed)
